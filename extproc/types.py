@@ -1,0 +1,30 @@
+"""Vocabulary shared by every layer: outcomes, header names, small value types."""
+
+from __future__ import annotations
+
+import enum
+
+# Headers the gateway owns. Any client-sent copy is removed before the request goes upstream.
+TENANT_HEADER = "x-tenant-id"
+TIER_HEADER = "x-tier"
+POOL_HEADER = "x-llm-pool"
+GATEWAY_REQUEST_ID_HEADER = "x-gateway-request-id"
+OWNED_HEADERS: tuple[str, ...] = (TENANT_HEADER, TIER_HEADER, POOL_HEADER, GATEWAY_REQUEST_ID_HEADER)
+
+PRIORITY_HEADER = "x-priority"
+DEADLINE_HEADER = "x-deadline-ms"
+ENGINE_HEADER = "x-engine-id"
+
+
+class Outcome(enum.StrEnum):
+    """The single terminal outcome of one request; also the metric label."""
+
+    ADMITTED = "admitted"
+    REJECTED_RATE = "rejected_rate"
+    REJECTED_QUEUE_FULL = "rejected_queue_full"
+    EXPIRED = "expired"
+    SHED = "shed"
+    CANCELLED = "cancelled"
+    UNAUTHORIZED = "unauthorized"
+    BAD_REQUEST = "bad_request"
+    UNAVAILABLE = "unavailable"
