@@ -1,0 +1,5 @@
+import sys
+
+from extproc.engine.cli import main
+
+sys.exit(main())
