@@ -9,7 +9,12 @@ TENANT_HEADER = "x-tenant-id"
 TIER_HEADER = "x-tier"
 POOL_HEADER = "x-llm-pool"
 GATEWAY_REQUEST_ID_HEADER = "x-gateway-request-id"
-OWNED_HEADERS: tuple[str, ...] = (TENANT_HEADER, TIER_HEADER, POOL_HEADER, GATEWAY_REQUEST_ID_HEADER)
+OWNED_HEADERS: tuple[str, ...] = (
+    TENANT_HEADER,
+    TIER_HEADER,
+    POOL_HEADER,
+    GATEWAY_REQUEST_ID_HEADER,
+)
 
 PRIORITY_HEADER = "x-priority"
 DEADLINE_HEADER = "x-deadline-ms"

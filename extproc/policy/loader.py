@@ -27,7 +27,9 @@ class PolicyIssue:
 
     def __str__(self) -> str:
         where = f"{self.file}:{self.line}"
-        return f"{where}: {self.field}: {self.message}" if self.field else f"{where}: {self.message}"
+        return (
+            f"{where}: {self.field}: {self.message}" if self.field else f"{where}: {self.message}"
+        )
 
 
 class PolicyError(Exception):
@@ -82,17 +84,24 @@ def semantic_issues(policy: PolicyFile) -> list[tuple[FieldPath, str]]:
         found.append((("tiers",), "a tier is listed twice"))
     for tier in policy.tier_options:
         if tier not in tiers:
-            found.append((("tier_options", tier), f"unknown tier {tier!r}; tiers are {policy.tiers}"))
+            found.append(
+                (("tier_options", tier), f"unknown tier {tier!r}; tiers are {policy.tiers}")
+            )
     owner_of_key: dict[str, str] = {}
     for name, tenant in policy.tenants.items():
         if tenant.tier not in tiers:
             found.append(
-                (("tenants", name, "tier"), f"unknown tier {tenant.tier!r}; tiers are {policy.tiers}")
+                (
+                    ("tenants", name, "tier"),
+                    f"unknown tier {tenant.tier!r}; tiers are {policy.tiers}",
+                )
             )
         for index, key in enumerate(tenant.api_keys):
             path: FieldPath = ("tenants", name, "api_keys", index)
             if not is_key_hash(key):
-                found.append((path, 'must be "sha256:" and 64 hex digits (extproc policy hash-key)'))
+                found.append(
+                    (path, 'must be "sha256:" and 64 hex digits (extproc policy hash-key)')
+                )
             elif key in owner_of_key and owner_of_key[key] != name:
                 found.append((path, f"key hash already used by tenant {owner_of_key[key]!r}"))
             elif key in owner_of_key:

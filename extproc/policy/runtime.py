@@ -7,7 +7,7 @@ from pathlib import Path
 
 from extproc.policy.keys import KeyIndex
 from extproc.policy.loader import load_policy_file, parse_policy
-from extproc.policy.model import Pool, PolicyFile, Tenant
+from extproc.policy.model import PolicyFile, Pool, Tenant
 
 
 @dataclass(frozen=True)
@@ -49,7 +49,9 @@ def compile_policy(source: PolicyFile, file: str = "<policy>") -> Policy:
         file=file,
         keys=KeyIndex(hashed),
         tier_rank={tier: rank for rank, tier in enumerate(source.tiers)},
-        pools_by_size=tuple(sorted(source.pools.items(), key=lambda item: item[1].max_total_tokens)),
+        pools_by_size=tuple(
+            sorted(source.pools.items(), key=lambda item: item[1].max_total_tokens)
+        ),
     )
 
 

@@ -1,0 +1,161 @@
+"""The `extproc` command line."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from pathlib import Path
+
+DEFAULT_POLICY = str(Path(__file__).resolve().parent.parent / "policies" / "default.yaml")
+
+
+def _policy_check(args: argparse.Namespace) -> int:
+    from extproc.policy import PolicyError, load_policy
+
+    failed = False
+    for file in args.files:
+        try:
+            policy = load_policy(file)
+        except PolicyError as error:
+            failed = True
+            for issue in error.issues:
+                print(issue, file=sys.stderr)
+            continue
+        print(f"{file}: ok ({len(policy.tenants)} tenants, {len(policy.pools)} pools)")
+    return 1 if failed else 0
+
+
+def _policy_hash_key(_: argparse.Namespace) -> int:
+    from extproc.policy import hash_key
+
+    key = sys.stdin.readline().strip()
+    if not key:
+        print("hash-key: no key on stdin", file=sys.stderr)
+        return 1
+    print(hash_key(key))
+    return 0
+
+
+def _policy_schema(_: argparse.Namespace) -> int:
+    from extproc.policy import PolicyFile
+
+    schema = PolicyFile.model_json_schema()
+    schema["$schema"] = "https://json-schema.org/draft/2020-12/schema"
+    schema["title"] = "extproc policy"
+    print(json.dumps(schema, indent=2))
+    return 0
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from extproc.service.main import run_serve
+
+    return run_serve(args.policy, args.grpc, args.admin)
+
+
+def _envoy_render(args: argparse.Namespace) -> int:
+    from extproc.envoy_config import RenderOptions, render_bootstrap
+    from extproc.policy import PolicyError, load_policy
+
+    try:
+        policy = load_policy(args.policy)
+    except PolicyError as error:
+        print(error, file=sys.stderr)
+        return 1
+    overrides: dict[str, list[str]] = {}
+    for item in args.pool_endpoint or []:
+        pool, _, endpoint = item.partition("=")
+        if pool not in policy.pools or not endpoint:
+            print(
+                f"--pool-endpoint {item!r}: expected POOL=HOST:PORT with a known pool",
+                file=sys.stderr,
+            )
+            return 1
+        overrides.setdefault(pool, []).append(endpoint)
+    options = RenderOptions(
+        listen=args.listen, extproc=args.extproc, admin=args.envoy_admin, pool_endpoints=overrides
+    )
+    text = render_bootstrap(policy, options)
+    if args.output:
+        Path(args.output).write_text(text)
+    else:
+        sys.stdout.write(text)
+    return 0
+
+
+def _engine(args: argparse.Namespace) -> int:
+    from extproc.engine.cli import run
+
+    return run(args)
+
+
+def _up(args: argparse.Namespace) -> int:
+    from extproc.up import run_up
+
+    return run_up(args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="extproc", description=__doc__)
+    parser.add_argument("--log-level", default="INFO")
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    policy = commands.add_parser("policy", help="check and author policy files")
+    policy_commands = policy.add_subparsers(dest="policy_command", required=True)
+    check = policy_commands.add_parser("check", help="validate policy files")
+    check.add_argument("files", nargs="+")
+    check.set_defaults(func=_policy_check)
+    policy_commands.add_parser(
+        "hash-key", help='read an API key on stdin, print its "sha256:" form'
+    ).set_defaults(func=_policy_hash_key)
+    policy_commands.add_parser("schema", help="print the JSON Schema").set_defaults(
+        func=_policy_schema
+    )
+
+    serve = commands.add_parser("serve", help="run the ext_proc gRPC service")
+    serve.add_argument("--policy", default=DEFAULT_POLICY)
+    serve.add_argument("--grpc", default="127.0.0.1:50051", help="gRPC listen address")
+    serve.add_argument("--admin", default="127.0.0.1:9090", help="admin HTTP address (loopback)")
+    serve.set_defaults(func=_serve)
+
+    envoy = commands.add_parser("envoy", help="Envoy configuration")
+    envoy_commands = envoy.add_subparsers(dest="envoy_command", required=True)
+    render = envoy_commands.add_parser("render", help="print an Envoy bootstrap for a policy")
+    render.add_argument("--policy", default=DEFAULT_POLICY)
+    render.add_argument("--listen", default="127.0.0.1:8080")
+    render.add_argument("--extproc", default="127.0.0.1:50051")
+    render.add_argument("--envoy-admin", default="127.0.0.1:9901")
+    render.add_argument(
+        "--pool-endpoint", action="append", help="POOL=HOST:PORT, replaces the policy's endpoints"
+    )
+    render.add_argument("-o", "--output")
+    render.set_defaults(func=_envoy_render)
+
+    engine = commands.add_parser("engine", help="run an emulated vLLM engine")
+    from extproc.engine.cli import add_arguments
+
+    add_arguments(engine)
+    engine.set_defaults(func=_engine)
+
+    up = commands.add_parser("up", help="run Envoy, the service and emulated engines together")
+    from extproc.up import add_arguments as add_up_arguments
+
+    add_up_arguments(up, DEFAULT_POLICY)
+    up.set_defaults(func=_up)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=getattr(logging, str(args.log_level).upper(), logging.INFO),
+        format="%(message)s" if args.command == "serve" else "%(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    result: int = args.func(args)
+    return result
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,55 @@
+"""`extproc up --demo`: show requests going through the running gateway, then stop."""
+
+from __future__ import annotations
+
+import json
+import time
+import urllib.error
+import urllib.request
+
+DEMO_KEYS = {"acme": "demo-acme-key", "globex": "demo-globex-key"}
+
+
+def _post(url: str, key: str | None, body: dict[str, object]) -> tuple[int, dict[str, str], bytes]:
+    headers = {"content-type": "application/json"}
+    if key is not None:
+        headers["authorization"] = f"Bearer {key}"
+    request = urllib.request.Request(url, data=json.dumps(body).encode(), headers=headers)
+    try:
+        with urllib.request.urlopen(request, timeout=30) as response:
+            return response.status, dict(response.headers.items()), response.read()
+    except urllib.error.HTTPError as error:
+        return error.code, dict(error.headers.items()), error.read()
+
+
+def run_demo(base_url: str) -> int:
+    chat = f"{base_url}/v1/chat/completions"
+    message = {"role": "user", "content": "Say hello to the fair gateway."}
+    started = time.monotonic()
+    status, headers, body = _post(
+        chat, DEMO_KEYS["acme"], {"model": "demo", "messages": [message], "max_tokens": 12}
+    )
+    elapsed = (time.monotonic() - started) * 1000
+    print(f"\nPOST /v1/chat/completions as acme -> {status} in {elapsed:.0f} ms")
+    print(f"  served by engine {headers.get('x-engine-id')}, "
+          f"remaining requests {headers.get('x-ratelimit-remaining-requests')}")  # fmt: skip
+    print(f"  {body.decode()[:300]}")
+    ok = status == 200
+
+    status, headers, body = _post(
+        chat,
+        DEMO_KEYS["globex"],
+        {"model": "demo", "messages": [message], "max_tokens": 8, "stream": True,
+         "stream_options": {"include_usage": True}},
+    )  # fmt: skip
+    events = [line for line in body.decode().splitlines() if line.startswith("data:")]
+    print(f"\nstreamed POST as globex -> {status}, {len(events)} SSE events; last two:")
+    for line in events[-2:]:
+        print(f"  {line[:200]}")
+    ok = ok and status == 200 and events[-1] == "data: [DONE]"
+
+    status, _, body = _post(chat, "not-a-key", {"model": "demo", "messages": [message]})
+    print(f"\nPOST with an unknown key -> {status} {body.decode()}")
+    ok = ok and status == 401
+    print("\ndemo " + ("passed" if ok else "FAILED"))
+    return 0 if ok else 1

@@ -1,0 +1,77 @@
+"""Domain errors and their single mapping to HTTP answers with an OpenAI-style JSON body."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import orjson
+
+from extproc.types import Outcome
+
+
+@dataclass
+class GatewayError(Exception):
+    """A request the gateway answers itself instead of forwarding it upstream."""
+
+    outcome: Outcome
+    status: int
+    message: str
+    code: str
+    retry_after_s: int | None = None
+    headers: dict[str, str] = field(default_factory=dict)
+
+    def __str__(self) -> str:
+        return f"{self.status} {self.code}: {self.message}"
+
+
+_ERROR_TYPE = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    413: "invalid_request_error",
+    429: "rate_limit_error",
+    503: "service_unavailable",
+}
+
+
+@dataclass(frozen=True)
+class HttpAnswer:
+    status: int
+    headers: tuple[tuple[str, str], ...]
+    body: bytes
+
+
+def http_answer(error: GatewayError) -> HttpAnswer:
+    """The one place a domain error becomes status, headers and body."""
+    body = orjson.dumps(
+        {
+            "error": {
+                "message": error.message,
+                "type": _ERROR_TYPE.get(error.status, "api_error"),
+                "code": error.code,
+                "param": None,
+            }
+        }
+    )
+    headers = [("content-type", "application/json")]
+    if error.retry_after_s is not None:
+        headers.append(("retry-after", str(error.retry_after_s)))
+    headers.extend(error.headers.items())
+    return HttpAnswer(error.status, tuple(headers), body)
+
+
+def unauthorized(message: str) -> GatewayError:
+    return GatewayError(Outcome.UNAUTHORIZED, 401, message, "invalid_api_key")
+
+
+def bad_request(message: str, code: str = "invalid_request") -> GatewayError:
+    return GatewayError(Outcome.BAD_REQUEST, 400, message, code)
+
+
+def too_large(limit: int) -> GatewayError:
+    return GatewayError(
+        Outcome.BAD_REQUEST,
+        413,
+        f"request body exceeds the limit of {limit} bytes",
+        "body_too_large",
+    )

@@ -1,0 +1,131 @@
+"""Validate an OpenAI chat/completions request body and pull out what admission needs."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import orjson
+
+from extproc.errors import bad_request
+
+CHAT_PATH = "/v1/chat/completions"
+COMPLETIONS_PATH = "/v1/completions"
+INFERENCE_PATHS = (CHAT_PATH, COMPLETIONS_PATH)
+
+
+@dataclass
+class PromptParts:
+    """The text that will be tokenised, split by role so framing can be estimated."""
+
+    texts: list[str] = field(default_factory=list)
+    messages: int = 0
+    tools_json: str = ""
+    tools: int = 0
+
+
+@dataclass
+class InferenceRequest:
+    path: str
+    body: dict[str, Any]
+    model: str | None
+    stream: bool
+    include_usage: bool
+    max_tokens: int | None
+    prompt: PromptParts
+
+
+def _content_text(content: Any, where: str) -> list[str]:
+    if content is None:
+        return []
+    if isinstance(content, str):
+        return [content]
+    if isinstance(content, list):
+        texts = []
+        for part in content:
+            if not isinstance(part, dict):
+                raise bad_request(f"{where}: each content part must be an object")
+            text = part.get("text")
+            if isinstance(text, str):
+                texts.append(text)
+        return texts
+    raise bad_request(f"{where}: content must be a string or a list of parts")
+
+
+def _chat_prompt(body: dict[str, Any]) -> PromptParts:
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise bad_request("'messages' is required and must be a non-empty array", "missing_field")
+    parts = PromptParts(messages=len(messages))
+    for index, message in enumerate(messages):
+        where = f"messages[{index}]"
+        if not isinstance(message, dict):
+            raise bad_request(f"{where} must be an object")
+        if not isinstance(message.get("role"), str):
+            raise bad_request(f"{where}.role is required and must be a string", "missing_field")
+        parts.texts.extend(_content_text(message.get("content"), where))
+        if message.get("tool_calls") is not None:
+            parts.texts.append(orjson.dumps(message["tool_calls"]).decode())
+    tools = body.get("tools")
+    if tools is not None:
+        if not isinstance(tools, list):
+            raise bad_request("'tools' must be an array")
+        parts.tools = len(tools)
+        parts.tools_json = orjson.dumps(tools).decode() if tools else ""
+    return parts
+
+
+def _completion_prompt(body: dict[str, Any]) -> PromptParts:
+    prompt = body.get("prompt")
+    if isinstance(prompt, str):
+        return PromptParts(texts=[prompt])
+    if isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
+        return PromptParts(texts=list(prompt))
+    raise bad_request(
+        "'prompt' is required and must be a string or an array of strings", "missing_field"
+    )
+
+
+def _positive_int(body: dict[str, Any], name: str) -> int | None:
+    value = body.get(name)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise bad_request(f"'{name}' must be a positive integer")
+    return value
+
+
+def parse_inference_request(path: str, raw: bytes) -> InferenceRequest:
+    """Parse and validate; raises GatewayError (400) with a message naming the problem."""
+    try:
+        body = orjson.loads(raw)
+    except orjson.JSONDecodeError as exc:
+        raise bad_request(f"request body is not valid JSON: {exc}", "invalid_json") from None
+    if not isinstance(body, dict):
+        raise bad_request("request body must be a JSON object", "invalid_json")
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise bad_request("'model' is required and must be a string", "missing_field")
+    prompt = _chat_prompt(body) if path == CHAT_PATH else _completion_prompt(body)
+    stream = body.get("stream", False)
+    if not isinstance(stream, bool):
+        raise bad_request("'stream' must be a boolean")
+    options = body.get("stream_options")
+    if options is not None and not isinstance(options, dict):
+        raise bad_request("'stream_options' must be an object")
+    max_tokens = _positive_int(body, "max_completion_tokens") or _positive_int(body, "max_tokens")
+    return InferenceRequest(
+        path=path,
+        body=body,
+        model=model,
+        stream=stream,
+        include_usage=bool(options and options.get("include_usage")),
+        max_tokens=max_tokens,
+        prompt=prompt,
+    )
+
+
+def inference_path(path: str) -> str | None:
+    """The inference endpoint a request path names, ignoring any query string."""
+    base = path.split("?", 1)[0]
+    return base if base in INFERENCE_PATHS else None

@@ -1,0 +1,154 @@
+"""The live state one service process runs on: policy, estimator, admission, metrics.
+
+Admitted requests are kept in a registry by gateway request id, so the accounting stream
+(observability filter) can find the admission it belongs to and settle it.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import TYPE_CHECKING, Any
+
+import orjson
+
+from extproc.admission import AdmissionController
+from extproc.estimation import TokenEstimator
+from extproc.metrics import UNKNOWN_TENANT, Metrics
+from extproc.policy import Policy
+from extproc.scheduler import MonotonicClock, Scheduler
+from extproc.sse import Usage
+
+if TYPE_CHECKING:
+    from extproc.service.processor import RequestState
+
+request_log = logging.getLogger("extproc.request")
+
+# An admission whose accounting stream never attached is forgotten after this long.
+_UNCLAIMED_TTL_S = 120.0
+
+
+class Gateway:
+    def __init__(self, policy: Policy, metrics: Metrics | None = None) -> None:
+        self.policy = policy
+        self.clock = MonotonicClock()
+        self.metrics = metrics or Metrics()
+        self.estimator = TokenEstimator(policy.source.estimation)
+        self.scheduler = Scheduler(policy, self.clock)
+        self.admission = AdmissionController(self.scheduler, self.metrics)
+        self.registry: dict[str, RequestState] = {}
+
+    # -- lifecycle of one admitted request -------------------------------------------------
+
+    def admitted(self, state: RequestState) -> None:
+        self.registry[state.request_id] = state
+        if len(self.registry) % 256 == 0:
+            self._prune_registry()
+
+    def attach_accounting(self, request_id: str) -> RequestState | None:
+        state = self.registry.get(request_id)
+        if state is not None:
+            state.accounting_attached = True
+        return state
+
+    def admission_stream_ended(self, state: RequestState) -> None:
+        """The admission stream closed. Envoy closes it right after the response headers,
+        so unless the accounting stream took over, the request never reached an engine."""
+        state.admission_ended_at = time.monotonic()
+        if state.grant is not None and not state.accounting_attached:
+            self._release(state, None, 0)
+        if not (state.accounting_attached and not state.settled):
+            self.record(state)  # otherwise settle() records, once the tokens are known
+
+    def charge_output(self, state: RequestState, tokens: int) -> None:
+        if state.grant is not None and not state.released:
+            state.output_charged += tokens
+            self.admission.charge_output(state.grant, tokens)
+
+    def observe_first_byte(self, state: RequestState, at: float) -> None:
+        if state.tenant is not None and state.pool is not None:
+            self.metrics.ttft.labels(state.tenant, state.pool).observe(at - state.started)
+
+    def settle(self, state: RequestState, usage: Usage | None, output_seen: int) -> None:
+        """The response ended: replace estimates by real usage, count tokens, free capacity."""
+        self.registry.pop(state.request_id, None)
+        if state.settled:
+            return
+        state.settled = True
+        tenant = state.tenant or UNKNOWN_TENANT
+        if usage is not None:
+            input_tokens, output_tokens = usage.prompt_tokens, usage.completion_tokens
+            if state.inference is not None and usage.prompt_tokens > 0:
+                ratio = self.estimator.observe(state.inference.prompt, usage.prompt_tokens)
+                self.metrics.estimation_error.labels(self.estimator.mode).observe(ratio)
+        else:
+            # Cut short (client gone, upstream reset): charge what was generated.
+            input_tokens, output_tokens = state.prompt_estimate, output_seen
+        state.usage_input, state.usage_output = input_tokens, output_tokens
+        self.metrics.tokens.labels(tenant, "input").inc(input_tokens)
+        self.metrics.tokens.labels(tenant, "output").inc(output_tokens)
+        self._release(state, input_tokens, output_tokens)
+        if state.admission_ended_at is not None:
+            self.record(state)
+
+    def _release(self, state: RequestState, input_tokens: int | None, output_tokens: int) -> None:
+        if state.released or state.grant is None:
+            return
+        state.released = True
+        self.admission.release(
+            state.grant,
+            input_tokens=input_tokens,
+            output_tokens=None if input_tokens is None else output_tokens,
+        )
+
+    def _prune_registry(self) -> None:
+        cutoff = time.monotonic() - _UNCLAIMED_TTL_S
+        stale = [
+            rid
+            for rid, s in self.registry.items()
+            if s.admission_ended_at is not None and s.admission_ended_at < cutoff
+        ]
+        for request_id in stale:
+            del self.registry[request_id]
+
+    # -- observability ---------------------------------------------------------------------
+
+    def record(self, state: RequestState) -> None:
+        """Count the request's outcome and write its one log line."""
+        assert state.outcome is not None
+        tenant = state.tenant or UNKNOWN_TENANT
+        tier = state.tier or UNKNOWN_TENANT
+        pool = state.pool or "none"
+        self.metrics.requests.labels(tenant, tier, pool, state.outcome.value).inc()
+        if state.grant is not None:
+            self.metrics.queue_wait.labels(tenant, tier).observe(state.grant.wait_s)
+        if request_log.isEnabledFor(logging.INFO):
+            entry = {
+                "request_id": state.request_id,
+                "tenant": state.tenant,
+                "tier": state.tier,
+                "pool": state.pool,
+                "path": state.path,
+                "outcome": state.outcome.value,
+                "status": state.error.status if state.error else None,
+                "queue_wait_ms": round(state.grant.wait_s * 1000.0, 2) if state.grant else None,
+                "estimated_prompt_tokens": state.prompt_estimate or None,
+                "budget_tokens": state.budget or None,
+                "input_tokens": state.usage_input,
+                "output_tokens": state.usage_output,
+                "upstream_status": state.upstream_status,
+                "duration_ms": round((time.monotonic() - state.started) * 1000.0, 2),
+            }
+            request_log.info(orjson.dumps(entry).decode())
+
+    def tenants_view(self) -> dict[str, Any]:
+        snapshot = self.scheduler.snapshot()
+        return {"tenants": snapshot["tenants"], "pools": snapshot["pools"]}
+
+    def refresh_gauges(self) -> None:
+        snapshot = self.scheduler.snapshot()
+        for name, tenant in snapshot["tenants"].items():
+            self.metrics.queued.labels(name, tenant["tier"]).set(tenant["queued"])
+        for name, pool in snapshot["pools"].items():
+            self.metrics.inflight.labels(name).set(pool["inflight"])
+            self.metrics.inflight_tokens.labels(name).set(pool["inflight_tokens"])

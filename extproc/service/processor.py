@@ -1,0 +1,216 @@
+"""One AdmissionProcessor per ext_proc stream (= per HTTP request), one method per phase."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import os
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from envoy.service.ext_proc.v3.external_processor_pb2 import (
+    HeaderMutation,
+    HttpBody,
+    HttpHeaders,
+    ProcessingResponse,
+)
+
+from extproc.admission import Grant
+from extproc.errors import GatewayError, http_answer, too_large
+from extproc.identity import identify_tenant
+from extproc.openai_request import InferenceRequest, inference_path, parse_inference_request
+from extproc.routing import choose_pool
+from extproc.scheduler import Ticket
+from extproc.service import responses
+from extproc.service.gateway import Gateway
+from extproc.types import (
+    DEADLINE_HEADER,
+    GATEWAY_REQUEST_ID_HEADER,
+    OWNED_HEADERS,
+    POOL_HEADER,
+    PRIORITY_HEADER,
+    TENANT_HEADER,
+    TIER_HEADER,
+    Outcome,
+)
+
+_ids = itertools.count(1)
+_ID_PREFIX = f"{os.getpid():x}-{int(time.time()):x}"
+_HOLD_MARGIN_S = 5.0
+
+
+@dataclass
+class RequestState:
+    """Everything one request accumulates across its phases."""
+
+    request_id: str
+    started: float
+    method: str = ""
+    path: str = ""
+    headers: dict[str, str] = field(default_factory=dict)
+    tenant: str | None = None
+    tier: str | None = None
+    pool: str | None = None
+    inference: InferenceRequest | None = None
+    prompt_estimate: int = 0
+    budget: int = 0
+    grant: Grant | None = None
+    queued: bool = False
+    outcome: Outcome | None = None
+    error: GatewayError | None = None
+    accounting_attached: bool = False
+    admission_ended_at: float | None = None
+    released: bool = False
+    settled: bool = False
+    output_charged: int = 0
+    usage_input: int | None = None
+    usage_output: int | None = None
+    upstream_status: int | None = None
+
+
+def header_map(headers: HttpHeaders) -> dict[str, str]:
+    """Envoy sends values in raw_value (bytes); `value` is empty (DESIGN.md section 3)."""
+    return {h.key: h.raw_value.decode("utf-8", "replace") for h in headers.headers.headers}
+
+
+def _int_header(headers: dict[str, str], name: str) -> int | None:
+    raw = headers.get(name)
+    if raw is None:
+        return None
+    try:
+        return int(raw.strip())
+    except ValueError:
+        return None
+
+
+class AdmissionProcessor:
+    def __init__(self, gateway: Gateway) -> None:
+        self.gateway = gateway
+        self.policy = gateway.policy
+        self.state = RequestState(request_id=f"{_ID_PREFIX}-{next(_ids)}", started=time.monotonic())
+
+    def _reject(self, error: GatewayError) -> ProcessingResponse:
+        self.state.outcome = error.outcome
+        self.state.error = error
+        return responses.immediate(http_answer(error))
+
+    def _upstream_headers(self) -> HeaderMutation:
+        state = self.state
+        assert state.tenant is not None and state.tier is not None
+        values = {TENANT_HEADER: state.tenant, TIER_HEADER: state.tier}
+        values[GATEWAY_REQUEST_ID_HEADER] = state.request_id
+        if state.pool is not None:
+            values[POOL_HEADER] = state.pool
+        removed = [h for h in OWNED_HEADERS if h in state.headers and h not in values]
+        return responses.header_mutation(values, removed)
+
+    def on_request_headers(self, message: HttpHeaders) -> ProcessingResponse:
+        state = self.state
+        state.headers = header_map(message)
+        state.method = state.headers.get(":method", "")
+        state.path = state.headers.get(":path", "")
+        try:
+            state.tenant = identify_tenant(self.policy, state.headers)
+            tenant = self.policy.tenants[state.tenant]
+            state.tier = tenant.tier
+            limit = self.policy.source.gateway.max_body_bytes
+            length = _int_header(state.headers, "content-length")
+            if length is not None and length > limit:
+                raise too_large(limit)
+        except GatewayError as error:
+            return self._reject(error)
+        if message.end_of_stream:
+            # No body (GET /v1/models, /health): identified, then passed to the default pool.
+            state.outcome = Outcome.ADMITTED
+            return responses.continue_request_headers(
+                self._upstream_headers(), clear_route_cache=True
+            )
+        return responses.continue_request_headers()
+
+    async def on_request_body(self, message: HttpBody) -> AsyncIterator[ProcessingResponse]:
+        state = self.state
+        if state.tenant is None or state.outcome is not None:
+            yield responses.continue_request_body()
+            return
+        path = inference_path(state.path)
+        if path is None or state.method != "POST":
+            state.outcome = Outcome.ADMITTED
+            yield responses.continue_request_body(self._upstream_headers(), clear_route_cache=True)
+            return
+        try:
+            limit = self.policy.source.gateway.max_body_bytes
+            if len(message.body) > limit:
+                raise too_large(limit)
+            request = parse_inference_request(path, message.body)
+            state.inference = request
+            state.prompt_estimate = self.gateway.estimator.estimate_prompt(request.prompt)
+            max_output = request.max_tokens or self.policy.source.gateway.default_max_tokens
+            state.budget = state.prompt_estimate + max_output
+            state.pool = choose_pool(self.policy, state.budget)
+            ticket = self._ticket(max_output)
+        except GatewayError as error:
+            yield self._reject(error)
+            return
+        turn = self.gateway.admission.submit(ticket)
+        if not turn.done():
+            state.queued = True
+            assert state.tenant is not None
+            hold_s = self.policy.tenants[state.tenant].limits.max_queue_wait + _HOLD_MARGIN_S
+            yield responses.hold(min(hold_s, 3600.0))
+        try:
+            state.grant = await turn
+        except GatewayError as error:
+            yield self._reject(error)
+            return
+        finally:
+            if state.grant is None:
+                self._settle_turn(turn)
+        state.outcome = Outcome.ADMITTED
+        self.gateway.admitted(state)
+        yield responses.continue_request_body(self._upstream_headers(), clear_route_cache=True)
+
+    def _settle_turn(self, turn: asyncio.Future[Grant]) -> None:
+        """The wait ended without a grant in hand: the client left (Envoy cancelled us)."""
+        if turn.cancelled() or not turn.done():
+            turn.cancel()
+            self.gateway.admission.cancel(self.state.request_id)
+            self.state.outcome = Outcome.CANCELLED
+        elif turn.exception() is None:
+            # Admitted in the same instant the stream was cancelled: finish() releases it.
+            self.state.grant = turn.result()
+
+    def _ticket(self, max_output: int) -> Ticket:
+        state = self.state
+        assert state.tenant is not None and state.tier is not None and state.pool is not None
+        tenant = self.policy.tenants[state.tenant]
+        priority = self.policy.clamp_priority(tenant, _int_header(state.headers, PRIORITY_HEADER))
+        deadline_ms = _int_header(state.headers, DEADLINE_HEADER)
+        relative = (
+            deadline_ms / 1000.0
+            if deadline_ms is not None and deadline_ms > 0
+            else self.policy.default_deadline(state.tier)
+        )
+        return Ticket(
+            request_id=state.request_id,
+            tenant=state.tenant,
+            pool=state.pool,
+            input_tokens=state.prompt_estimate,
+            max_output_tokens=max_output,
+            priority=priority,
+            deadline=None if relative is None else self.gateway.clock.now() + relative,
+        )
+
+    def on_response_headers(self, message: HttpHeaders) -> ProcessingResponse:
+        grant = self.state.grant
+        if grant is None:
+            return responses.continue_response_headers()
+        values = dict(grant.ratelimit_headers)
+        values["x-gateway-queue-ms"] = f"{grant.wait_s * 1000.0:.1f}"
+        return responses.continue_response_headers(responses.header_mutation(values))
+
+    def finish(self) -> None:
+        """Runs when the stream ends, however it ends: release, count, log."""
+        if self.state.outcome is None:
+            self.state.outcome = Outcome.CANCELLED
+        self.gateway.admission_stream_ended(self.state)

@@ -1,0 +1,107 @@
+"""The grpc.aio ExternalProcessor servicer: it only dispatches phases to a processor."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator
+
+import grpc
+from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ext_proc_grpc
+from envoy.service.ext_proc.v3.external_processor_pb2 import (
+    BodyResponse,
+    ProcessingRequest,
+    ProcessingResponse,
+)
+
+from extproc.service.accounting import AccountingProcessor
+from extproc.service.gateway import Gateway
+from extproc.service.processor import AdmissionProcessor
+
+log = logging.getLogger("extproc.server")
+
+# Defaults that break under a burst of held requests (DESIGN.md section 3).
+GRPC_SERVER_OPTIONS: list[tuple[str, int]] = [
+    ("grpc.max_concurrent_streams", 100_000),
+    ("grpc.server.max_pending_requests", 100_000),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
+    ("grpc.http2.max_ping_strikes", 0),
+    ("grpc.max_receive_message_length", 64 * 1024 * 1024),
+]
+
+
+class ExternalProcessorService(ext_proc_grpc.ExternalProcessorServicer):  # type: ignore[misc]
+    def __init__(self, gateway: Gateway) -> None:
+        self.gateway = gateway
+
+    async def Process(
+        self,
+        request_iterator: AsyncIterator[ProcessingRequest],
+        context: grpc.aio.ServicerContext[ProcessingRequest, ProcessingResponse],
+    ) -> AsyncIterator[ProcessingResponse]:
+        messages = aiter(request_iterator)
+        first = await anext(messages, None)
+        if first is None:
+            return
+        if first.observability_mode:
+            await self._account(first, messages)
+            return
+        processor = AdmissionProcessor(self.gateway)
+        try:
+            async for request in _chain(first, messages):
+                phase = request.WhichOneof("request")
+                if phase == "request_headers":
+                    yield processor.on_request_headers(request.request_headers)
+                elif phase == "request_body":
+                    async for response in processor.on_request_body(request.request_body):
+                        yield response
+                elif phase == "response_headers":
+                    yield processor.on_response_headers(request.response_headers)
+                elif phase == "response_body":
+                    yield ProcessingResponse(response_body=BodyResponse())
+                else:
+                    log.warning("unexpected ext_proc phase %s", phase)
+        except Exception:
+            # Never let an exception become an opaque failure without a trace in the log.
+            log.exception("ext_proc stream failed (request %s)", processor.state.request_id)
+            raise
+        finally:
+            processor.finish()
+
+    async def _account(
+        self, first: ProcessingRequest, rest: AsyncIterator[ProcessingRequest]
+    ) -> None:
+        """Observability-mode stream: Envoy does not wait for replies, so we send none."""
+        processor = AccountingProcessor(self.gateway)
+        try:
+            async for request in _chain(first, rest):
+                phase = request.WhichOneof("request")
+                if phase == "response_body":
+                    processor.on_response_body(request.response_body)
+                elif phase == "response_headers":
+                    processor.on_response_headers(request.response_headers)
+                elif phase == "request_headers":
+                    processor.on_request_headers(request.request_headers)
+        except Exception:
+            log.exception("accounting stream failed")
+            raise
+        finally:
+            processor.finish()
+
+
+async def _chain(
+    first: ProcessingRequest, rest: AsyncIterator[ProcessingRequest]
+) -> AsyncIterator[ProcessingRequest]:
+    yield first
+    async for request in rest:
+        yield request
+
+
+async def start_grpc_server(gateway: Gateway, address: str) -> tuple[grpc.aio.Server, int]:
+    server = grpc.aio.server(options=GRPC_SERVER_OPTIONS)
+    ext_proc_grpc.add_ExternalProcessorServicer_to_server(ExternalProcessorService(gateway), server)
+    port = server.add_insecure_port(address)
+    if port == 0:
+        raise OSError(f"cannot bind the gRPC server to {address}")
+    await server.start()
+    return server, port

@@ -1,0 +1,63 @@
+"""Start the real stack (Envoy binary, ext_proc service, emulated engines) on loopback ports."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from extproc.policy import Policy, load_policy
+from extproc.up import Stack, StackConfig, build_stack, wait_ready
+from tests.conftest import free_port
+
+ACTIVE_STACKS: list[Stack] = []
+
+
+@dataclass
+class RunningGateway:
+    base_url: str
+    admin_url: str
+    policy: Policy
+    stack: Stack
+    config: StackConfig
+
+    def log_of(self, name: str) -> str:
+        child = next(c for c in self.stack.children if c.name == name)
+        return child.log_path.read_text(errors="replace")
+
+
+@contextlib.contextmanager
+def running_gateway(
+    workdir: Path, make_policy: Callable[[str, str], str], profile: str = "fast"
+) -> Iterator[RunningGateway]:
+    """`make_policy(short_endpoint, long_endpoint)` returns the policy text to run with."""
+    short, long_ = f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"
+    policy_path = workdir / "policy.yaml"
+    policy_path.write_text(make_policy(short, long_))
+    policy = load_policy(policy_path)
+    config = StackConfig(
+        policy_path=str(policy_path),
+        workdir=workdir,
+        listen=f"127.0.0.1:{free_port()}",
+        grpc=f"127.0.0.1:{free_port()}",
+        admin=f"127.0.0.1:{free_port()}",
+        envoy_admin=f"127.0.0.1:{free_port()}",
+        profile=profile,
+    )
+    stack = build_stack(config, policy)
+    ACTIVE_STACKS.append(stack)
+    try:
+        for child in stack.children:
+            child.start()
+        wait_ready(config, policy, stack)
+        yield RunningGateway(
+            base_url=f"http://{config.listen}",
+            admin_url=f"http://{config.admin}",
+            policy=policy,
+            stack=stack,
+            config=config,
+        )
+    finally:
+        stack.stop()
+        ACTIVE_STACKS.remove(stack)

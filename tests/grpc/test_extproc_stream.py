@@ -1,0 +1,213 @@
+"""Hermetic tests: play Envoy's side of the ext_proc protocol against the real gRPC server."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Iterable
+
+import grpc
+import orjson
+import pytest
+from envoy.config.core.v3.base_pb2 import HeaderMap, HeaderValue
+from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ext_proc_grpc
+from envoy.service.ext_proc.v3.external_processor_pb2 import (
+    HttpBody,
+    HttpHeaders,
+    ProcessingRequest,
+    ProcessingResponse,
+)
+
+from extproc.policy import policy_from_text
+from extproc.service.gateway import Gateway
+from extproc.service.server import start_grpc_server
+from tests.conftest import TEST_KEYS, policy_yaml
+
+
+def headers_message(
+    method: str,
+    path: str,
+    key: str | None,
+    extra: Iterable[tuple[str, str]] = (),
+    eos: bool = False,
+) -> ProcessingRequest:
+    pairs = [(":method", method), (":path", path), (":authority", "gw"), *extra]
+    if key is not None:
+        pairs.append(("authorization", f"Bearer {key}"))
+    return ProcessingRequest(
+        request_headers=HttpHeaders(
+            headers=HeaderMap(headers=[HeaderValue(key=k, raw_value=v.encode()) for k, v in pairs]),
+            end_of_stream=eos,
+        )
+    )
+
+
+def body_message(body: bytes) -> ProcessingRequest:
+    return ProcessingRequest(request_body=HttpBody(body=body, end_of_stream=True))
+
+
+def chat_body(content: str = "hello", max_tokens: int = 16) -> bytes:
+    return orjson.dumps(
+        {"model": "m", "messages": [{"role": "user", "content": content}], "max_tokens": max_tokens}
+    )
+
+
+def set_headers(response: ProcessingResponse, phase: str) -> dict[str, str]:
+    common = getattr(response, phase).response
+    return {h.header.key: h.header.raw_value.decode() for h in common.header_mutation.set_headers}
+
+
+class EnvoyPeer:
+    """Drives one ext_proc stream the way Envoy does: send a message, read the reply."""
+
+    def __init__(self, stub: ext_proc_grpc.ExternalProcessorStub) -> None:
+        self.outbox: asyncio.Queue[ProcessingRequest | None] = asyncio.Queue()
+        self.call = stub.Process(self._requests())
+
+    async def _requests(self) -> AsyncIterator[ProcessingRequest]:
+        while (message := await self.outbox.get()) is not None:
+            yield message
+
+    async def send(self, message: ProcessingRequest) -> ProcessingResponse:
+        await self.outbox.put(message)
+        return await asyncio.wait_for(self.call.read(), 5)
+
+    async def read(self) -> ProcessingResponse:
+        return await asyncio.wait_for(self.call.read(), 5)
+
+    async def close(self) -> None:
+        await self.outbox.put(None)
+
+
+@pytest.fixture
+async def service() -> AsyncIterator[tuple[Gateway, ext_proc_grpc.ExternalProcessorStub]]:
+    gateway = Gateway(policy_from_text(policy_yaml(short_inflight=1)))
+    server, port = await start_grpc_server(gateway, "127.0.0.1:0")
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
+    try:
+        yield gateway, ext_proc_grpc.ExternalProcessorStub(channel)
+    finally:
+        await channel.close()
+        await server.stop(None)
+
+
+async def test_missing_and_wrong_key_get_401(service) -> None:  # type: ignore[no-untyped-def]
+    _, stub = service
+    for key in (None, "wrong"):
+        peer = EnvoyPeer(stub)
+        reply = await peer.send(headers_message("POST", "/v1/chat/completions", key))
+        assert reply.WhichOneof("response") == "immediate_response"
+        assert reply.immediate_response.status.code == 401
+        error = orjson.loads(reply.immediate_response.body)["error"]
+        assert error["type"] == "authentication_error" and error["code"] == "invalid_api_key"
+        await peer.close()
+
+
+async def test_get_passes_with_gateway_headers_and_strips_client_copies(service) -> None:  # type: ignore[no-untyped-def]
+    _, stub = service
+    peer = EnvoyPeer(stub)
+    spoofed = [("x-tenant-id", "acme"), ("x-llm-pool", "long"), ("x-tier", "premium")]
+    reply = await peer.send(
+        headers_message("GET", "/v1/models", TEST_KEYS["globex"], spoofed, eos=True)
+    )
+    assert reply.request_headers.response.clear_route_cache
+    values = set_headers(reply, "request_headers")
+    assert values["x-tenant-id"] == "globex" and values["x-tier"] == "standard"
+    assert "x-llm-pool" in reply.request_headers.response.header_mutation.remove_headers
+    await peer.close()
+
+
+async def test_chat_is_routed_by_budget(service) -> None:  # type: ignore[no-untyped-def]
+    _, stub = service
+    for content, max_tokens, pool in (
+        ("hi", 16, "short"),
+        ("word " * 4000, 16, "long"),
+        ("hi", 4000, "long"),
+    ):
+        peer = EnvoyPeer(stub)
+        await peer.send(headers_message("POST", "/v1/chat/completions", TEST_KEYS["globex"],
+                                        [("x-llm-pool", "short")]))  # fmt: skip
+        reply = await peer.send(body_message(chat_body(content, max_tokens)))
+        assert reply.WhichOneof("response") == "request_body"
+        values = set_headers(reply, "request_body")
+        assert values["x-llm-pool"] == pool and values["x-tenant-id"] == "globex"
+        assert reply.request_body.response.clear_route_cache
+        await peer.close()
+        await peer.call.code()
+
+
+@pytest.mark.parametrize(
+    ("body", "code"),
+    [
+        (b"{not json", "invalid_json"),
+        (b"[1, 2]", "invalid_json"),
+        (b'{"model": "m"}', "missing_field"),
+        (
+            b'{"model": "m", "messages": [{"role": "user", "content": "x"}], "max_tokens": -1}',
+            "invalid_request",
+        ),
+        (chat_body("x", 100_000), "context_length_exceeded"),
+    ],
+)
+async def test_bad_bodies_get_400(service, body: bytes, code: str) -> None:  # type: ignore[no-untyped-def]
+    _, stub = service
+    peer = EnvoyPeer(stub)
+    await peer.send(headers_message("POST", "/v1/chat/completions", TEST_KEYS["acme"]))
+    reply = await peer.send(body_message(body))
+    assert reply.immediate_response.status.code == 400
+    assert orjson.loads(reply.immediate_response.body)["error"]["code"] == code
+    await peer.close()
+
+
+async def test_declared_oversized_body_gets_413(service) -> None:  # type: ignore[no-untyped-def]
+    _, stub = service
+    peer = EnvoyPeer(stub)
+    reply = await peer.send(
+        headers_message(
+            "POST", "/v1/chat/completions", TEST_KEYS["acme"], [("content-length", str(9 << 20))]
+        )
+    )
+    assert reply.immediate_response.status.code == 413
+    await peer.close()
+
+
+async def test_held_request_gets_override_then_admission_after_release(service) -> None:  # type: ignore[no-untyped-def]
+    gateway, stub = service
+    first = EnvoyPeer(stub)
+    await first.send(headers_message("POST", "/v1/chat/completions", TEST_KEYS["globex"]))
+    admitted = await first.send(body_message(chat_body()))
+    assert admitted.WhichOneof("response") == "request_body"
+
+    second = EnvoyPeer(stub)
+    await second.send(headers_message("POST", "/v1/chat/completions", TEST_KEYS["initech"]))
+    held = await second.send(body_message(chat_body()))
+    assert held.HasField("override_message_timeout")
+    assert held.override_message_timeout.seconds >= 30
+    assert gateway.scheduler.snapshot()["tenants"]["initech"]["queued"] == 1
+
+    await first.close()  # Envoy ends the first stream: its capacity is released
+    await first.call.code()
+    reply = await second.read()
+    assert reply.WhichOneof("response") == "request_body"
+    await second.close()
+    await second.call.code()
+
+
+async def test_disconnect_while_held_leaves_nothing_queued(service) -> None:  # type: ignore[no-untyped-def]
+    gateway, stub = service
+    first = EnvoyPeer(stub)
+    await first.send(headers_message("POST", "/v1/chat/completions", TEST_KEYS["globex"]))
+    await first.send(body_message(chat_body()))
+    second = EnvoyPeer(stub)
+    await second.send(headers_message("POST", "/v1/chat/completions", TEST_KEYS["initech"]))
+    held = await second.send(body_message(chat_body()))
+    assert held.HasField("override_message_timeout")
+    second.call.cancel()
+    for _ in range(200):  # the server sees the cancellation within milliseconds
+        if gateway.scheduler.snapshot()["tenants"]["initech"]["queued"] == 0:
+            break
+        await asyncio.sleep(0.005)
+    assert gateway.scheduler.snapshot()["tenants"]["initech"]["queued"] == 0
+    await first.close()
+    await first.call.code()
+    snapshot = gateway.scheduler.snapshot()
+    assert snapshot["pools"]["short"]["inflight"] == 0
