@@ -77,6 +77,11 @@ class AdmissionController:
             self._resolve_admission(admission)
         self._arm_timer()
 
+    def resolve(self, rejections: list[Rejection]) -> None:
+        """Answer requests the scheduler removed from its queues outside poll()."""
+        for rejection in rejections:
+            self._resolve_rejection(rejection)
+
     def _resolve_admission(self, admission: Admission) -> None:
         turn = self._waiting.pop(admission.ticket.request_id, None)
         if turn is None or turn.done():

@@ -90,6 +90,12 @@ def _engine(args: argparse.Namespace) -> int:
     return run(args)
 
 
+def _bench_estimator(args: argparse.Namespace) -> int:
+    from extproc.bench.estimator import main as run_estimator_bench
+
+    return run_estimator_bench(args)
+
+
 def _up(args: argparse.Namespace) -> int:
     from extproc.up import run_up
 
@@ -137,6 +143,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_arguments(engine)
     engine.set_defaults(func=_engine)
+
+    bench = commands.add_parser("bench", help="benchmarks (results saved as JSON and PNG)")
+    scenarios = bench.add_subparsers(dest="scenario", required=True)
+    estimator = scenarios.add_parser("estimator", help="token estimation error per category")
+    from extproc.bench.estimator import add_arguments as add_estimator_arguments
+
+    add_estimator_arguments(estimator)
+    estimator.set_defaults(func=_bench_estimator)
 
     up = commands.add_parser("up", help="run Envoy, the service and emulated engines together")
     from extproc.up import add_arguments as add_up_arguments

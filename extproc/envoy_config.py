@@ -212,6 +212,9 @@ def _accounting_filter() -> HttpFilter:
             response_trailer_mode=ProcessingModeHeaderSendMode.SKIP,
         ),
         stat_prefix="accounting",
+        # After a client disconnects, Envoy keeps an observability stream open this long
+        # before closing it; the close is how we learn the request ended, so keep it short.
+        deferred_close_timeout=_seconds(0.25),
     )
     return HttpFilter(name=ACCOUNTING_FILTER, typed_config=AnyProto.pack(config))
 

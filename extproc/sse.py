@@ -29,6 +29,7 @@ from typing import Any
 import orjson
 
 MAX_LINE_BYTES = 4 * 1024 * 1024  # a longer SSE line is dropped (and counted as malformed)
+MAX_DATA_LINES = 4096  # an event with more data lines is dropped (and counted as malformed)
 MAX_JSON_BODY_BYTES = 32 * 1024 * 1024  # a longer JSON body keeps only its tail
 _TAIL_BYTES = 64 * 1024
 
@@ -261,6 +262,9 @@ class SseUsageParser:
         for line in lines:
             if line[:5] == b"data:":
                 self._data.append(line[6:] if line[5:6] == b" " else line[5:])
+                if len(self._data) > MAX_DATA_LINES:  # no blank line for ages: not SSE
+                    self._data.clear()
+                    self.malformed += 1
             elif line:
                 self._field(line)
             elif self._data or self._event_type:

@@ -1,6 +1,9 @@
 """`extproc up`: Envoy, the ext_proc service and one engine per pool endpoint, in the foreground.
 
-Every child is stopped on Ctrl-C or SIGTERM, and all of them if any one dies.
+Every child is stopped on Ctrl-C or SIGTERM, and all of them if any one dies. The stop order
+lets in-flight responses finish: the ext_proc service gets SIGTERM first and drains (queued
+requests answered 503, in-flight ones given `--drain-grace` seconds), then the engines stop,
+and Envoy, which carries the responses, stops last. A second Ctrl-C kills everything at once.
 """
 
 from __future__ import annotations
@@ -25,6 +28,9 @@ from extproc.policy import Policy, PolicyError, load_policy
 
 _LOOPBACK = {"127.0.0.1", "localhost", "::1"}
 _READY_TIMEOUT_S = 60.0
+_DEFAULT_DRAIN_GRACE_S = 30.0
+# Stop order (lowest first): the service drains while engines and Envoy still carry responses.
+STOP_FIRST, STOP_MIDDLE, STOP_LAST = 0, 1, 2
 
 
 def add_arguments(parser: argparse.ArgumentParser, default_policy: str) -> None:
@@ -36,8 +42,22 @@ def add_arguments(parser: argparse.ArgumentParser, default_policy: str) -> None:
     parser.add_argument("--profile", default="a100-llama3-8b", help="emulated engine profile")
     parser.add_argument("--workdir", help="folder for the rendered config and logs")
     parser.add_argument(
+        "--drain-grace",
+        type=float,
+        default=_env_drain_grace(),
+        metavar="SECONDS",
+        help="on stop, how long the service lets in-flight responses finish (default %(default)s)",
+    )
+    parser.add_argument(
         "--demo", action="store_true", help="send sample requests once ready, print them, stop"
     )
+
+
+def _env_drain_grace() -> float:
+    try:
+        return float(os.environ.get("EXTPROC_DRAIN_GRACE", _DEFAULT_DRAIN_GRACE_S))
+    except ValueError:
+        return _DEFAULT_DRAIN_GRACE_S
 
 
 @dataclass
@@ -47,6 +67,10 @@ class Child:
     log_path: Path
     env: dict[str, str] | None = None
     process: subprocess.Popen[bytes] | None = None
+    stop_rank: int = STOP_MIDDLE
+    """Children stop in increasing rank; equal ranks in reverse start order."""
+    stop_timeout: float = 10.0
+    """Seconds between SIGTERM and SIGKILL."""
 
     def start(self) -> None:
         log = self.log_path.open("wb")
@@ -58,14 +82,20 @@ class Child:
     def alive(self) -> bool:
         return self.process is not None and self.process.poll() is None
 
-    def stop(self, timeout: float = 10.0) -> None:
+    def stop(self, timeout: float | None = None) -> None:
         if self.process is None or self.process.poll() is not None:
             return
         self.process.send_signal(signal.SIGTERM)
         try:
-            self.process.wait(timeout)
+            self.process.wait(self.stop_timeout if timeout is None else timeout)
         except subprocess.TimeoutExpired:
-            self.process.kill()
+            self.kill()
+
+    def kill(self, wait: bool = True) -> None:
+        if self.process is None or self.process.returncode is not None:
+            return
+        self.process.kill()  # a signal to a child already gone is harmless
+        if wait:
             self.process.wait()
 
     def log_tail(self, lines: int = 30) -> str:
@@ -82,9 +112,20 @@ class Stack:
 
     children: list[Child] = field(default_factory=list)
 
+    def stop_order(self) -> list[Child]:
+        indexed = list(enumerate(self.children))
+        indexed.sort(key=lambda item: (item[1].stop_rank, -item[0]))
+        return [child for _, child in indexed]
+
     def stop(self) -> None:
-        for child in reversed(self.children):
+        for child in self.stop_order():
             child.stop()
+
+    def kill(self) -> None:
+        """SIGKILL every child, no grace (second Ctrl-C). Does not wait: it runs inside a
+        signal handler, possibly while `stop()` is waiting for a child."""
+        for child in self.children:
+            child.kill(wait=False)
 
     def dead(self) -> Child | None:
         return next((c for c in self.children if not c.alive()), None)
@@ -98,11 +139,19 @@ def http_ok(url: str, timeout: float = 1.0) -> bool:
         return False
 
 
-def wait_until(check: Callable[[], bool], stack: Stack, what: str, timeout: float) -> None:
-    """Poll `check` with backoff until true; fail early if a child died."""
+def wait_until(
+    check: Callable[[], bool],
+    stack: Stack,
+    what: str,
+    timeout: float,
+    abort: Callable[[], bool] | None = None,
+) -> None:
+    """Poll `check` with backoff until true; fail early if a child died or on `abort()`."""
     deadline = time.monotonic() + timeout
     delay = 0.02
     while not check():
+        if abort is not None and abort():
+            raise RuntimeError(f"stopped while waiting for {what}")
         dead = stack.dead()
         if dead is not None:
             raise RuntimeError(f"{dead.name} exited while waiting for {what}:\n{dead.log_tail()}")
@@ -143,12 +192,14 @@ class StackConfig:
     admin: str = "127.0.0.1:9090"
     envoy_admin: str = "127.0.0.1:9901"
     profile: str = "a100-llama3-8b"
+    drain_grace: float = _DEFAULT_DRAIN_GRACE_S
 
     @classmethod
     def from_args(cls, args: argparse.Namespace, workdir: Path) -> StackConfig:
         return cls(
             policy_path=args.policy, workdir=workdir, listen=args.listen, grpc=args.grpc,
             admin=args.admin, envoy_admin=args.envoy_admin, profile=args.profile,
+            drain_grace=getattr(args, "drain_grace", _DEFAULT_DRAIN_GRACE_S),
         )  # fmt: skip
 
 
@@ -176,6 +227,10 @@ def build_stack(config: StackConfig, policy: Policy) -> Stack:
                 "--grpc", config.grpc, "--admin", config.admin,
             ],
             log_path=config.workdir / "extproc.log",
+            # `serve` reads its drain grace from the environment whatever its flags are.
+            env={**os.environ, "EXTPROC_DRAIN_GRACE": str(config.drain_grace)},
+            stop_rank=STOP_FIRST,
+            stop_timeout=config.drain_grace + 5.0,
         )
     )  # fmt: skip
     envoy_config = config.workdir / "envoy.json"
@@ -186,20 +241,23 @@ def build_stack(config: StackConfig, policy: Policy) -> Stack:
             name="envoy",
             command=[
                 envoy_binary(), "-c", str(envoy_config), "--log-level", "warn",
-                "--base-id", str(os.getpid() % 60000), "--concurrency", "1",
+                "--use-dynamic-base-id", "--concurrency", "1",
             ],
             log_path=config.workdir / "envoy.log",
+            stop_rank=STOP_LAST,
         )
     )  # fmt: skip
     return stack
 
 
-def wait_ready(config: StackConfig, policy: Policy, stack: Stack) -> None:
+def wait_ready(
+    config: StackConfig, policy: Policy, stack: Stack, abort: Callable[[], bool] | None = None
+) -> None:
     urls = [(f"http://{e}/health", f"engine {e}") for _, e in engine_endpoints(policy)]
     urls.append((f"http://{config.admin}/readyz", "extproc"))
     urls.append((f"http://{config.envoy_admin}/ready", "envoy"))
     for url, what in urls:
-        wait_until(functools.partial(http_ok, url), stack, what, _READY_TIMEOUT_S)
+        wait_until(functools.partial(http_ok, url), stack, what, _READY_TIMEOUT_S, abort)
 
 
 def run_up(args: argparse.Namespace) -> int:
@@ -213,9 +271,16 @@ def run_up(args: argparse.Namespace) -> int:
     config = StackConfig.from_args(args, workdir)
     stack = build_stack(config, policy)
     stopping = False
+    forced = False
 
     def on_signal(signum: int, _frame: object) -> None:
-        nonlocal stopping
+        nonlocal stopping, forced
+        if stopping:
+            # Second Ctrl-C (or SIGTERM): no more grace.
+            forced = True
+            print("killing every child now", file=sys.stderr, flush=True)
+            stack.kill()
+            return
         stopping = True
 
     signal.signal(signal.SIGTERM, on_signal)
@@ -224,7 +289,7 @@ def run_up(args: argparse.Namespace) -> int:
         for child in stack.children:
             print(f"starting {child.name} (log: {child.log_path})", flush=True)
             child.start()
-        wait_ready(config, policy, stack)
+        wait_ready(config, policy, stack, abort=lambda: stopping)
         print(f"ready: send OpenAI requests to http://{args.listen}", flush=True)
         print(f"       admin: http://{args.admin}/v1/tenants  metrics: http://{args.admin}/metrics")
         if args.demo:
@@ -241,8 +306,11 @@ def run_up(args: argparse.Namespace) -> int:
             time.sleep(0.2)
         return 0
     except RuntimeError as error:
+        if stopping:
+            return 130 if forced else 0
         print(f"extproc up: {error}", file=sys.stderr)
         return 1
     finally:
-        print("stopping", flush=True)
+        names = ", ".join(child.name for child in stack.stop_order())
+        print(f"stopping ({names}); Ctrl-C again to kill now", flush=True)
         stack.stop()

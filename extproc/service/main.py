@@ -1,18 +1,220 @@
-"""`extproc serve`: run the ext_proc gRPC service and its admin server until signalled."""
+"""`extproc serve`: the ext_proc gRPC service and its admin server, until signalled.
+
+Lifecycle:
+  start     admin server first (/healthz answers, /readyz 503), then the policy, then gRPC;
+            /readyz turns 200 once gRPC accepts streams.
+  SIGHUP    reload the policy file (also watched, and POST /v1/reload): a bad version is
+            rejected with file:line errors and the last good policy stays in force.
+  SIGTERM   drain: /readyz 503, the gRPC server stops accepting streams, queued requests are
+  SIGINT    answered 503 + Retry-After, in-flight responses get `--drain-grace` seconds to
+            finish, then exit 0. A second SIGTERM/SIGINT cuts the grace short.
+
+Every option also reads an environment variable (EXTPROC_DRAIN_GRACE, EXTPROC_LOG_FORMAT,
+EXTPROC_RELOAD_INTERVAL, EXTPROC_ADMIN_REMOTE_RELOAD, EXTPROC_WAIT_FOR_POLICY), so container
+manifests can set them whatever the command line is.
+"""
 
 from __future__ import annotations
 
+import argparse
 import asyncio
+import contextlib
+import datetime as dt
 import logging
+import os
 import signal
 import sys
+import traceback
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import grpc
+import orjson
 
 from extproc.admin import AdminServer
-from extproc.policy import PolicyError, load_policy
+from extproc.metrics import Metrics
+from extproc.policy import Policy, PolicyError, compile_policy, parse_policy
+from extproc.reload import PolicyReloader
+from extproc.scheduler import Rejection
 from extproc.service.gateway import Gateway
 from extproc.service.server import start_grpc_server
+from extproc.types import Outcome
 
 log = logging.getLogger("extproc.serve")
+
+LOG_FORMATS = ("json", "text")
+DRAIN_RETRY_AFTER_S = 5
+_DRAIN_POLL_S = 0.05
+
+# -- logging ---------------------------------------------------------------------------------------
+
+# LogRecord attributes that are not user fields.
+_RECORD_KEYS = frozenset(vars(logging.LogRecord("", 0, "", 0, "", None, None))) | {
+    "message",
+    "asctime",
+    "fields",
+}
+
+
+class JsonFormatter(logging.Formatter):
+    """One JSON object per line: ts, level, logger, message, then the record's fields.
+
+    Fields come from `extra={"fields": {...}}` (or other `extra` keys). A message that is
+    itself a JSON object (the per-request line of "extproc.request") is merged as fields.
+    """
+
+    def format(self, record: logging.LogRecord) -> str:
+        entry: dict[str, Any] = {
+            "ts": dt.datetime.fromtimestamp(record.created, dt.UTC).isoformat(
+                timespec="milliseconds"
+            ),
+            "level": record.levelname.lower(),
+            "logger": record.name,
+        }
+        message = record.getMessage()
+        merged = False
+        if message.startswith("{") and message.endswith("}"):
+            try:
+                parsed = orjson.loads(message)
+            except orjson.JSONDecodeError:
+                parsed = None
+            if isinstance(parsed, dict):
+                entry["message"] = "request" if record.name == "extproc.request" else ""
+                entry.update(parsed)
+                merged = True
+        if not merged:
+            entry["message"] = message
+        fields = getattr(record, "fields", None)
+        if isinstance(fields, dict):
+            entry.update(fields)
+        for key, value in vars(record).items():
+            if key not in _RECORD_KEYS and not key.startswith("_"):
+                entry[key] = value
+        if record.exc_info:
+            entry["exception"] = "".join(traceback.format_exception(*record.exc_info)).rstrip()
+        if record.stack_info:
+            entry["stack"] = record.stack_info
+        return orjson.dumps(entry, default=str).decode()
+
+
+def configure_logging(log_format: str = "json", level: int | str | None = None) -> None:
+    """Route every logger of the process to stderr in one format (replaces handlers)."""
+    root = logging.getLogger()
+    handler = logging.StreamHandler(sys.stderr)
+    if log_format == "json":
+        handler.setFormatter(JsonFormatter())
+    else:
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    configured = bool(root.handlers)
+    for old in list(root.handlers):
+        root.removeHandler(old)
+    root.addHandler(handler)
+    if level is not None:
+        root.setLevel(level if isinstance(level, int) else level.upper())
+    elif not configured:
+        root.setLevel(logging.INFO)
+    logging.captureWarnings(True)
+
+
+# -- options ---------------------------------------------------------------------------------------
+
+
+def _env_float(name: str, default: float) -> float:
+    raw = os.environ.get(name)
+    if raw is None or not raw.strip():
+        return default
+    try:
+        return float(raw)
+    except ValueError:
+        raise SystemExit(f"{name}={raw!r}: expected a number of seconds") from None
+
+
+def _env_bool(name: str, default: bool = False) -> bool:
+    raw = os.environ.get(name)
+    if raw is None or not raw.strip():
+        return default
+    return raw.strip().lower() in {"1", "true", "yes", "on"}
+
+
+def _env_format() -> str:
+    value = os.environ.get("EXTPROC_LOG_FORMAT", "json").strip().lower() or "json"
+    if value not in LOG_FORMATS:
+        raise SystemExit(f"EXTPROC_LOG_FORMAT={value!r}: expected one of {LOG_FORMATS}")
+    return value
+
+
+@dataclass(frozen=True)
+class ServeOptions:
+    policy: str
+    grpc: str = "127.0.0.1:50051"
+    admin: str = "127.0.0.1:9090"
+    drain_grace: float = 30.0
+    """Seconds in-flight responses get to finish after SIGTERM."""
+    log_format: str = "json"
+    reload_interval: float = 1.0
+    """Seconds between checks of the policy file; 0 turns the watcher off."""
+    allow_remote_reload: bool = False
+    wait_for_policy: bool = False
+    """Start with an invalid or missing policy file: stay unready and wait for a good one."""
+
+    @classmethod
+    def from_env(cls, policy: str, grpc: str, admin: str) -> ServeOptions:
+        return cls(
+            policy=policy,
+            grpc=grpc,
+            admin=admin,
+            drain_grace=_env_float("EXTPROC_DRAIN_GRACE", 30.0),
+            log_format=_env_format(),
+            reload_interval=_env_float("EXTPROC_RELOAD_INTERVAL", 1.0),
+            allow_remote_reload=_env_bool("EXTPROC_ADMIN_REMOTE_RELOAD"),
+            wait_for_policy=_env_bool("EXTPROC_WAIT_FOR_POLICY"),
+        )
+
+
+def add_arguments(parser: argparse.ArgumentParser, default_policy: str) -> None:
+    """The `serve` flags; defaults come from the environment (see the module doc)."""
+    env = ServeOptions.from_env(default_policy, "127.0.0.1:50051", "127.0.0.1:9090")
+    parser.add_argument("--policy", default=default_policy)
+    parser.add_argument("--grpc", default=env.grpc, help="gRPC listen address")
+    parser.add_argument(
+        "--admin", default=env.admin, help="admin HTTP address (loopback by default)"
+    )
+    parser.add_argument(
+        "--drain-grace", type=float, default=env.drain_grace, metavar="SECONDS",
+        help="after SIGTERM, how long in-flight responses may take (default %(default)s)",
+    )  # fmt: skip
+    parser.add_argument("--log-format", choices=LOG_FORMATS, default=env.log_format)
+    parser.add_argument(
+        "--reload-interval", type=float, default=env.reload_interval, metavar="SECONDS",
+        help="how often the policy file is checked for changes; 0: never (default %(default)s)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--admin-remote-reload", action="store_true", default=env.allow_remote_reload,
+        help="allow POST /v1/reload from non-loopback peers",
+    )  # fmt: skip
+    parser.add_argument(
+        "--wait-for-policy", action="store_true", default=env.wait_for_policy,
+        help="with a bad or missing policy file, stay up (unready) until it is fixed",
+    )  # fmt: skip
+
+
+def options_from_args(args: argparse.Namespace) -> ServeOptions:
+    env = ServeOptions.from_env(args.policy, args.grpc, args.admin)
+    return ServeOptions(
+        policy=args.policy,
+        grpc=args.grpc,
+        admin=args.admin,
+        drain_grace=getattr(args, "drain_grace", env.drain_grace),
+        log_format=getattr(args, "log_format", env.log_format),
+        reload_interval=getattr(args, "reload_interval", env.reload_interval),
+        allow_remote_reload=getattr(args, "admin_remote_reload", env.allow_remote_reload),
+        wait_for_policy=getattr(args, "wait_for_policy", env.wait_for_policy),
+    )
+
+
+# -- the service -----------------------------------------------------------------------------------
 
 
 def install_event_loop_policy() -> None:
@@ -23,33 +225,286 @@ def install_event_loop_policy() -> None:
     asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
 
 
-async def serve(policy_path: str, grpc_address: str, admin_address: str) -> int:
+def _load_initial(path: str) -> tuple[Policy, str] | list[str]:
+    """The policy and its text, or the problems (file:line each)."""
     try:
-        policy = load_policy(policy_path)
+        text = Path(path).read_text(encoding="utf-8")
+    except OSError as exc:
+        return [f"{path}:1: cannot read: {exc.strerror or exc}"]
+    try:
+        return compile_policy(parse_policy(text, path), path), text
     except PolicyError as error:
-        for issue in error.issues:
-            print(issue, file=sys.stderr)
-        return 1
-    gateway = Gateway(policy)
-    server, grpc_port = await start_grpc_server(gateway, grpc_address)
-    admin = AdminServer(gateway)
-    admin_port = await admin.start(admin_address)
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for signum in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(signum, stop.set)
-    print(
-        f"extproc: ext_proc gRPC on {grpc_address.rpartition(':')[0]}:{grpc_port}, "
-        f"admin on http://{admin_address.rpartition(':')[0]}:{admin_port}",
-        flush=True,
-    )
-    await stop.wait()
-    admin.draining = True
-    await server.stop(grace=5.0)
-    await admin.stop()
-    return 0
+        return [str(issue) for issue in error.issues]
 
 
-def run_serve(policy_path: str, grpc_address: str, admin_address: str) -> int:
+def _log_policy_errors(errors: Sequence[str], message: str) -> None:
+    log.error("%s: %s", message, "; ".join(errors), extra={"fields": {"errors": list(errors)}})
+
+
+def drain_queued(gateway: Gateway) -> int:
+    """Answer every still-queued request with 503 + Retry-After; returns how many."""
+    method = getattr(gateway, "drain_queued", None)
+    if callable(method):
+        return int(method())
+    return _drain_queued_fallback(gateway)
+
+
+def _drain_queued_fallback(gateway: Gateway) -> int:
+    """Stop-gap while `Gateway.drain_queued` does not exist: cancel each waiting ticket in the
+    scheduler and resolve its turn with the 503 the processor turns into an ext_proc reply."""
+    admission = gateway.admission
+    waiting: dict[str, asyncio.Future[Any]] = getattr(admission, "_waiting", {})
+    rejections = []
+    for request_id, turn in list(waiting.items()):
+        if turn.done():
+            continue
+        gateway.scheduler.cancel(request_id)
+        rejections.append(
+            Rejection(
+                request_id=request_id,
+                tenant="",
+                outcome=Outcome.UNAVAILABLE,
+                http_status=503,
+                retry_after_s=DRAIN_RETRY_AFTER_S,
+                message="the gateway is shutting down; retry on another instance",
+            )
+        )
+    admission.resolve(rejections)
+    return len(rejections)
+
+
+class Service:
+    """One `extproc serve` process: admin server, policy, gateway, gRPC server, signals."""
+
+    def __init__(self, options: ServeOptions, metrics: Metrics | None = None) -> None:
+        self.options = options
+        self.metrics = metrics or Metrics()
+        self.gateway: Gateway | None = None
+        self.server: grpc.aio.Server | None = None
+        self.grpc_port = 0
+        self.admin_port = 0
+        self.reloader: PolicyReloader | None = None
+        self.admin = AdminServer(
+            metrics=self.metrics, allow_remote_reload=options.allow_remote_reload
+        )
+        self.stop_requested = asyncio.Event()
+        self.force_requested = asyncio.Event()
+        self.drained = 0
+
+    # -- signals --------------------------------------------------------------------------------
+
+    def request_stop(self) -> None:
+        if self.stop_requested.is_set():
+            log.warning("second stop signal: cutting the drain short")
+            self.force_requested.set()
+        else:
+            self.stop_requested.set()
+
+    def _on_sighup(self) -> None:
+        if self.reloader is not None and not self.admin.draining:
+            self.reloader.reload("sighup")
+        else:
+            log.warning("SIGHUP ignored: no policy loaded yet or draining")
+
+    def install_signal_handlers(self) -> None:
+        loop = asyncio.get_running_loop()
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(signum, self.request_stop)
+        loop.add_signal_handler(signal.SIGHUP, self._on_sighup)
+
+    def remove_signal_handlers(self) -> None:
+        loop = asyncio.get_running_loop()
+        for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+            loop.remove_signal_handler(signum)
+
+    # -- start ----------------------------------------------------------------------------------
+
+    async def _wait_for_policy(self) -> tuple[Policy, str] | None:
+        """Poll the policy file until it is valid; None if stopped first."""
+        options = self.options
+        interval = options.reload_interval if options.reload_interval > 0 else 1.0
+        last: list[str] | None = None
+        while not self.stop_requested.is_set():
+            loaded = _load_initial(options.policy)
+            if not isinstance(loaded, list):
+                return loaded
+            if loaded != last:
+                _log_policy_errors(loaded, "no valid policy yet; waiting for the file to change")
+                self.metrics.reload_attempt("error")
+                last = loaded
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.stop_requested.wait(), interval)
+        return None
+
+    async def start(self) -> bool:
+        """Start everything; False if the policy is invalid (and not waiting for it)."""
+        options = self.options
+        self.admin_port = await self.admin.start(options.admin)
+        loaded = _load_initial(options.policy)
+        if isinstance(loaded, list):
+            if not options.wait_for_policy:
+                _log_policy_errors(loaded, "invalid policy")
+                return False
+            waited = await self._wait_for_policy()
+            if waited is None:
+                return False
+            loaded = waited
+        policy, text = loaded
+        gateway = Gateway(policy, metrics=self.metrics)
+        self.gateway = gateway
+        self.metrics.policy_tenants.set(len(policy.tenants))
+        self.reloader = PolicyReloader(
+            path=options.policy,
+            apply=gateway.apply_policy,
+            metrics=self.metrics,
+            interval_s=options.reload_interval,
+        )
+        self.reloader.mark_loaded(text)
+        self.admin.gateway = gateway
+        self.admin.reloader = self.reloader
+        self.server, self.grpc_port = await start_grpc_server(gateway, options.grpc)
+        self.admin.serving = True
+        self.metrics.ready.set(1)
+        self.reloader.start()
+        host_grpc = options.grpc.rpartition(":")[0]
+        host_admin = options.admin.rpartition(":")[0]
+        log.info(
+            "serving",
+            extra={
+                "fields": {
+                    "grpc": f"{host_grpc}:{self.grpc_port}",
+                    "admin": f"http://{host_admin}:{self.admin_port}",
+                    "policy": options.policy,
+                    "tenants": len(policy.tenants),
+                    "pools": sorted(policy.pools),
+                    "drain_grace_s": options.drain_grace,
+                    "pid": os.getpid(),
+                }
+            },
+        )
+        return True
+
+    # -- stop -----------------------------------------------------------------------------------
+
+    async def drain(self) -> None:
+        """Stop taking streams, answer the queued, let in-flight responses finish."""
+        self.admin.draining = True
+        self.metrics.ready.set(0)
+        self.metrics.draining.set(1)
+        if self.reloader is not None:
+            await self.reloader.stop()
+        gateway, server = self.gateway, self.server
+        if gateway is None or server is None:
+            return
+        snapshot = gateway.scheduler.snapshot()
+        grace = max(0.0, self.options.drain_grace)
+        log.info(
+            "draining",
+            extra={
+                "fields": {
+                    "grace_s": grace,
+                    "queued": snapshot.get("queued", 0),
+                    "inflight": snapshot.get("leases", 0),
+                }
+            },
+        )
+        # New RPCs are refused from here on; running ones keep going for `grace` seconds.
+        stopping = asyncio.ensure_future(server.stop(grace))
+        self.drained += drain_queued(gateway)
+        while not stopping.done():
+            if self.force_requested.is_set():
+                await server.stop(0)
+                break
+            await asyncio.wait({stopping}, timeout=_DRAIN_POLL_S)
+            # A stream that was between its headers and its body when the drain began
+            # may still join the queue: answer it too.
+            self.drained += drain_queued(gateway)
+        with contextlib.suppress(asyncio.CancelledError):
+            await stopping
+        if self.drained:
+            self.metrics.drained_requests.inc(self.drained)
+        left = gateway.scheduler.inflight()
+        fields = {"drained_queued": self.drained, "inflight_cut": left}
+        if left:
+            log.warning("drain grace over; in-flight requests were cut", extra={"fields": fields})
+        else:
+            log.info("drained", extra={"fields": fields})
+
+    async def close(self) -> None:
+        if self.reloader is not None:
+            await self.reloader.stop()
+        if self.server is not None and not self.admin.draining:
+            await self.server.stop(0)
+        await self.admin.stop()
+
+    async def run(self) -> int:
+        self.install_signal_handlers()
+        try:
+            try:
+                started = await self.start()
+            except OSError as error:
+                log.error("cannot start: %s", error)
+                return 1
+            if not started:
+                return 0 if self.stop_requested.is_set() else 1
+            await self.stop_requested.wait()
+            await self.drain()
+            return 0
+        finally:
+            await self.close()
+            self.remove_signal_handlers()
+            log.info("stopped")
+
+
+async def serve(options: ServeOptions) -> int:
+    return await Service(options).run()
+
+
+def run_serve(
+    policy_path: str,
+    grpc_address: str = "127.0.0.1:50051",
+    admin_address: str = "127.0.0.1:9090",
+    options: ServeOptions | None = None,
+) -> int:
+    """Entry point of `extproc serve`. Options not given are read from the environment."""
+    if options is None:
+        options = ServeOptions.from_env(policy_path, grpc_address, admin_address)
+    configure_logging(options.log_format)
     install_event_loop_policy()
-    return asyncio.run(serve(policy_path, grpc_address, admin_address))
+    return asyncio.run(serve(options))
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run from parsed `add_arguments` flags (what `extproc serve` calls)."""
+    options = options_from_args(args)
+    return run_serve(options.policy, options.grpc, options.admin, options)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """`python -m extproc.service.main`: the same service, with every flag."""
+    from extproc.cli import DEFAULT_POLICY
+
+    parser = argparse.ArgumentParser(prog="extproc serve", description=__doc__.split("\n")[0])
+    parser.add_argument("--log-level", default="INFO")
+    add_arguments(parser, DEFAULT_POLICY)
+    args = parser.parse_args(argv)
+    configure_logging(args.log_format, str(args.log_level).upper())
+    return run(args)
+
+
+__all__ = [
+    "JsonFormatter",
+    "ServeOptions",
+    "Service",
+    "add_arguments",
+    "configure_logging",
+    "drain_queued",
+    "main",
+    "run",
+    "run_serve",
+    "serve",
+]
+
+
+if __name__ == "__main__":
+    sys.exit(main())

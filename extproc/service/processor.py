@@ -89,6 +89,7 @@ class AdmissionProcessor:
         self.gateway = gateway
         self.policy = gateway.policy
         self.state = RequestState(request_id=f"{_ID_PREFIX}-{next(_ids)}", started=time.monotonic())
+        self._turn: asyncio.Future[Grant] | None = None
 
     def _reject(self, error: GatewayError) -> ProcessingResponse:
         self.state.outcome = error.outcome
@@ -152,7 +153,7 @@ class AdmissionProcessor:
         except GatewayError as error:
             yield self._reject(error)
             return
-        turn = self.gateway.admission.submit(ticket)
+        turn = self._turn = self.gateway.admission.submit(ticket)
         if not turn.done():
             state.queued = True
             assert state.tenant is not None
@@ -166,12 +167,14 @@ class AdmissionProcessor:
         finally:
             if state.grant is None:
                 self._settle_turn(turn)
+            self._turn = None
         state.outcome = Outcome.ADMITTED
         self.gateway.admitted(state)
         yield responses.continue_request_body(self._upstream_headers(), clear_route_cache=True)
 
     def _settle_turn(self, turn: asyncio.Future[Grant]) -> None:
-        """The wait ended without a grant in hand: the client left (Envoy cancelled us)."""
+        """The wait ended without a grant in hand: the client left (Envoy cancelled us),
+        possibly while the hold reply was being sent, before the wait even began."""
         if turn.cancelled() or not turn.done():
             turn.cancel()
             self.gateway.admission.cancel(self.state.request_id)
@@ -211,6 +214,8 @@ class AdmissionProcessor:
 
     def finish(self) -> None:
         """Runs when the stream ends, however it ends: release, count, log."""
+        if self._turn is not None and self.state.grant is None:
+            self._settle_turn(self._turn)
         if self.state.outcome is None:
             self.state.outcome = Outcome.CANCELLED
         self.gateway.admission_stream_ended(self.state)

@@ -48,7 +48,7 @@ def test_unknown_key_names_file_line_and_field() -> None:
 def test_wrong_type() -> None:
     text = policy_yaml(short_inflight='"many"')  # type: ignore[arg-type]
     [issue] = issues_of(text)
-    assert issue.startswith(f"p.yaml:{line_of(text, 'short:')}: pools.short.max_inflight:")
+    assert issue.startswith(f"p.yaml:{line_of(text, 'many')}: pools.short.max_inflight:")
     assert "integer" in issue
 
 
@@ -95,7 +95,7 @@ def test_plain_key_is_refused() -> None:
 def test_empty_endpoint_list() -> None:
     text = policy_yaml().replace('endpoints: ["127.0.0.1:8002"]', "endpoints: []")
     [issue] = issues_of(text)
-    assert issue.startswith(f"p.yaml:{line_of(text, 'long:')}: pools.long.endpoints:")
+    assert issue.startswith(f"p.yaml:{line_of(text, 'endpoints: []')}: pools.long.endpoints:")
 
 
 def test_empty_pools() -> None:

@@ -1,0 +1,1 @@
+"""Offline benchmarks (`extproc bench ...`). Each takes its data directory as an argument."""
