@@ -9,6 +9,7 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
+import orjson
 from envoy.service.ext_proc.v3.external_processor_pb2 import (
     HeaderMutation,
     HttpBody,
@@ -170,7 +171,27 @@ class AdmissionProcessor:
             self._turn = None
         state.outcome = Outcome.ADMITTED
         self.gateway.admitted(state)
-        yield responses.continue_request_body(self._upstream_headers(), clear_route_cache=True)
+        yield self._forward(request)
+
+    def _forward(self, request: InferenceRequest) -> ProcessingResponse:
+        """Let the request go upstream with the gateway's headers.
+
+        A streamed request without `stream_options.include_usage` gets it added: the engine
+        then ends the stream with one usage chunk (`"choices": []`), which is the only exact
+        count of prompt and output tokens we can observe without holding every chunk in a
+        synchronous filter. The client receives that one extra chunk; it is part of the
+        OpenAI streaming format and OpenAI SDKs accept it. Counting deltas instead would miss
+        the prompt tokens and merged or withheld tokens.
+        """
+        mutation = self._upstream_headers()
+        if not request.stream or request.include_usage:
+            return responses.continue_request_body(mutation, clear_route_cache=True)
+        options = request.body.get("stream_options") or {}
+        request.body["stream_options"] = {**options, "include_usage": True}
+        body = orjson.dumps(request.body)
+        # Envoy answers 500 if a body mutation leaves a stale content-length.
+        mutation.set_headers.append(responses.header_option("content-length", str(len(body))))
+        return responses.continue_request_body(mutation, clear_route_cache=True, body=body)
 
     def _settle_turn(self, turn: asyncio.Future[Grant]) -> None:
         """The wait ended without a grant in hand: the client left (Envoy cancelled us),

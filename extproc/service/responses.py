@@ -22,18 +22,19 @@ from extproc.errors import HttpAnswer
 _OVERWRITE = HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD
 
 
+def header_option(key: str, value: str) -> HeaderValueOption:
+    return HeaderValueOption(
+        header=HeaderValue(key=key, raw_value=value.encode()), append_action=_OVERWRITE
+    )
+
+
 def header_mutation(
     set_headers: Mapping[str, str] | Iterable[tuple[str, str]] = (),
     remove: Iterable[str] = (),
 ) -> HeaderMutation:
     items = set_headers.items() if isinstance(set_headers, Mapping) else set_headers
     return HeaderMutation(
-        set_headers=[
-            HeaderValueOption(
-                header=HeaderValue(key=key, raw_value=value.encode()), append_action=_OVERWRITE
-            )
-            for key, value in items
-        ],
+        set_headers=[header_option(key, value) for key, value in items],
         remove_headers=list(remove),
     )
 
