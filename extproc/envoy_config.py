@@ -94,6 +94,9 @@ class RenderOptions:
     admin: str = "127.0.0.1:9901"
     pool_endpoints: dict[str, list[str]] | None = None
     """Overrides a pool's endpoints (e.g. docker-compose host names)."""
+    extproc_filters: bool = True
+    """False renders Envoy straight to the pools (the baseline arm of benchmarks)."""
+    access_log: bool = True
 
 
 def split_host_port(address: str) -> tuple[str, int]:
@@ -333,12 +336,11 @@ def build_bootstrap(policy: Policy, options: RenderOptions) -> Bootstrap:
         stream_idle_timeout=_seconds(idle),
         request_timeout=_seconds(0),
         http_filters=[
-            _admission_filter(policy),
-            _accounting_filter(),
+            *([_admission_filter(policy), _accounting_filter()] if options.extproc_filters else []),
             HttpFilter(name="envoy.filters.http.router", typed_config=AnyProto.pack(Router())),
         ],
         local_reply_config=_local_replies(),
-        access_log=[_access_log()],
+        access_log=[_access_log()] if options.access_log else [],
         generate_request_id=True,
     )
     listener = Listener(
