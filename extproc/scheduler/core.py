@@ -605,6 +605,15 @@ class Scheduler:
         self._remove(entry, self.clock.now(), refund=True)
         return True
 
+    def reject_all_queued(self, retry_after_s: int, message: str) -> list[Rejection]:
+        """Answer every queued request (graceful drain): 503, refunded, queues left empty."""
+        now = self.clock.now()
+        out = []
+        for entry in list(self._entries.values()):
+            self._remove(entry, now, refund=True)
+            out.append(_reject(entry.ticket, Outcome.UNAVAILABLE, 503, retry_after_s, message))
+        return out
+
     def _remove(self, entry: _Entry, now: float, *, refund: bool) -> None:
         ticket = entry.ticket
         state = self._tenants[ticket.tenant]

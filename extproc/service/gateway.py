@@ -49,6 +49,14 @@ class Gateway:
         self.admission.pump()
         return len(rejections)
 
+    def drain_queued(self, retry_after_s: int = 5) -> int:
+        """Graceful drain: answer every still-queued request with 503 + Retry-After."""
+        rejections = self.scheduler.reject_all_queued(
+            retry_after_s, "the gateway is shutting down; retry on another replica"
+        )
+        self.admission.resolve(rejections)
+        return len(rejections)
+
     # -- lifecycle of one admitted request -------------------------------------------------
 
     def admitted(self, state: RequestState) -> None:

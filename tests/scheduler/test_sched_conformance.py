@@ -646,3 +646,25 @@ def test_idle_scheduler_has_no_deadline_and_tickets_validate() -> None:
     with pytest.raises(ValueError):
         clock.advance(-1)
     assert sched.cancel("missing") is False and sched.release(12345) is False
+
+
+def test_reject_all_queued_empties_queues_and_refunds() -> None:
+    from extproc.policy import policy_from_text
+    from extproc.scheduler import ManualClock, Scheduler, Ticket
+    from extproc.types import Outcome
+    from tests.conftest import policy_yaml
+
+    limits = "{requests_per_minute: 10, max_queued: 10}"
+    scheduler = Scheduler(
+        policy_from_text(policy_yaml(globex_limits=limits, short_inflight=1)), ManualClock()
+    )
+    for index in range(3):
+        ticket = Ticket(f"r{index}", "globex", "short", 10, 10)
+        assert scheduler.submit(ticket) is None
+    assert len(scheduler.dispatch()) == 1
+    rejections = scheduler.reject_all_queued(7, "draining")
+    assert [r.request_id for r in rejections] == ["r1", "r2"]
+    assert all(r.outcome is Outcome.UNAVAILABLE and r.http_status == 503 for r in rejections)
+    assert all(r.retry_after_s == 7 for r in rejections)
+    assert scheduler.queued() == 0 and scheduler.inflight() == 1
+    assert scheduler.snapshot()["tenants"]["globex"]["buckets"]["requests"] == 9.0
