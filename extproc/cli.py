@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import logging
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 DEFAULT_POLICY = str(Path(__file__).resolve().parent.parent / "policies" / "default.yaml")
@@ -90,10 +92,19 @@ def _engine(args: argparse.Namespace) -> int:
     return run(args)
 
 
-def _bench_estimator(args: argparse.Namespace) -> int:
-    from extproc.bench.estimator import main as run_estimator_bench
+def _bench(module: str) -> Callable[[argparse.Namespace], int]:
+    def run(args: argparse.Namespace) -> int:
+        result: int = importlib.import_module(f"extproc.bench.{module}").main(args)
+        return result
 
-    return run_estimator_bench(args)
+    return run
+
+
+# scenario name -> (module under extproc.bench, help)
+BENCH_SCENARIOS = {
+    "estimator": ("estimator", "token estimation error per content category"),
+    "overhead": ("overhead", "CPU and latency cost against a do-nothing ext_proc floor"),
+}
 
 
 def _up(args: argparse.Namespace) -> int:
@@ -146,11 +157,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = commands.add_parser("bench", help="benchmarks (results saved as JSON and PNG)")
     scenarios = bench.add_subparsers(dest="scenario", required=True)
-    estimator = scenarios.add_parser("estimator", help="token estimation error per category")
-    from extproc.bench.estimator import add_arguments as add_estimator_arguments
-
-    add_estimator_arguments(estimator)
-    estimator.set_defaults(func=_bench_estimator)
+    for name, (module, help_text) in BENCH_SCENARIOS.items():
+        scenario = scenarios.add_parser(name, help=help_text)
+        importlib.import_module(f"extproc.bench.{module}").add_arguments(scenario)
+        scenario.set_defaults(func=_bench(module))
 
     up = commands.add_parser("up", help="run Envoy, the service and emulated engines together")
     from extproc.up import add_arguments as add_up_arguments

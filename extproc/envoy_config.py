@@ -32,6 +32,7 @@ from envoy_data_plane.envoy.config.core.v3 import (
     Address,
     GrpcService,
     GrpcServiceEnvoyGrpc,
+    HeaderValue,
     Http2ProtocolOptions,
     KeepaliveSettings,
     RuntimeUInt32,
@@ -78,6 +79,7 @@ from envoy_data_plane.google.protobuf import Any as AnyProto
 from envoy_data_plane.google.protobuf import Struct
 
 from extproc.policy import Policy
+from extproc.service.roles import ACCOUNTING_ROLE, ROLE_METADATA
 from extproc.types import POOL_HEADER
 
 EXTPROC_CLUSTER = "extproc"
@@ -203,7 +205,10 @@ def _admission_filter(policy: Policy) -> HttpFilter:
 def _accounting_filter() -> HttpFilter:
     """Observability mode: Envoy streams the response to us and never waits for a reply."""
     config = ExternalProcessor(
-        grpc_service=GrpcService(envoy_grpc=GrpcServiceEnvoyGrpc(cluster_name=EXTPROC_CLUSTER)),
+        grpc_service=GrpcService(
+            envoy_grpc=GrpcServiceEnvoyGrpc(cluster_name=EXTPROC_CLUSTER),
+            initial_metadata=[HeaderValue(key=ROLE_METADATA, value=ACCOUNTING_ROLE)],
+        ),
         failure_mode_allow=True,
         observability_mode=True,
         processing_mode=ProcessingMode(

@@ -409,23 +409,31 @@ class Service:
             },
         )
         # New RPCs are refused from here on; running ones keep going for `grace` seconds.
+        loop = asyncio.get_running_loop()
+        began = loop.time()
         stopping = asyncio.ensure_future(server.stop(grace))
         self.drained += drain_queued(gateway)
+        inflight = gateway.scheduler.inflight()
+        forced = False
         while not stopping.done():
             if self.force_requested.is_set():
+                forced = True
                 await server.stop(0)
                 break
             await asyncio.wait({stopping}, timeout=_DRAIN_POLL_S)
             # A stream that was between its headers and its body when the drain began
             # may still join the queue: answer it too.
             self.drained += drain_queued(gateway)
+            if not stopping.done():
+                inflight = gateway.scheduler.inflight()
         with contextlib.suppress(asyncio.CancelledError):
             await stopping
         if self.drained:
             self.metrics.drained_requests.inc(self.drained)
-        left = gateway.scheduler.inflight()
-        fields = {"drained_queued": self.drained, "inflight_cut": left}
-        if left:
+        # Responses still running when the grace ran out were cut by the server's stop.
+        cut = inflight if forced or loop.time() - began >= grace else 0
+        fields = {"drained_queued": self.drained, "inflight_cut": cut}
+        if cut:
             log.warning("drain grace over; in-flight requests were cut", extra={"fields": fields})
         else:
             log.info("drained", extra={"fields": fields})

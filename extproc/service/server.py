@@ -16,6 +16,7 @@ from envoy.service.ext_proc.v3.external_processor_pb2 import (
 from extproc.service.accounting import AccountingProcessor
 from extproc.service.gateway import Gateway
 from extproc.service.processor import AdmissionProcessor
+from extproc.service.roles import ACCOUNTING_ROLE, ROLE_METADATA
 
 log = logging.getLogger("extproc.server")
 
@@ -39,28 +40,23 @@ class ExternalProcessorService(ext_proc_grpc.ExternalProcessorServicer):  # type
         request_iterator: AsyncIterator[ProcessingRequest],
         context: grpc.aio.ServicerContext[ProcessingRequest, ProcessingResponse],
     ) -> AsyncIterator[ProcessingResponse]:
-        messages = aiter(request_iterator)
-        first = await anext(messages, None)
-        if first is None:
-            return
-        if first.observability_mode:
-            await self._account(first, messages)
+        if (ROLE_METADATA, ACCOUNTING_ROLE) in (context.invocation_metadata() or ()):
+            await self._account(request_iterator)
             return
         processor = AdmissionProcessor(self.gateway)
         try:
-            async for request in _chain(first, messages):
-                phase = request.WhichOneof("request")
-                if phase == "request_headers":
-                    yield processor.on_request_headers(request.request_headers)
-                elif phase == "request_body":
+            async for request in request_iterator:
+                if request.HasField("request_body"):
                     async for response in processor.on_request_body(request.request_body):
                         yield response
-                elif phase == "response_headers":
+                elif request.HasField("request_headers"):
+                    yield processor.on_request_headers(request.request_headers)
+                elif request.HasField("response_headers"):
                     yield processor.on_response_headers(request.response_headers)
-                elif phase == "response_body":
+                elif request.HasField("response_body"):
                     yield ProcessingResponse(response_body=BodyResponse())
                 else:
-                    log.warning("unexpected ext_proc phase %s", phase)
+                    log.warning("unexpected ext_proc phase %s", request.WhichOneof("request"))
         except Exception:
             # Never let an exception become an opaque failure without a trace in the log.
             log.exception("ext_proc stream failed (request %s)", processor.state.request_id)
@@ -68,33 +64,22 @@ class ExternalProcessorService(ext_proc_grpc.ExternalProcessorServicer):  # type
         finally:
             processor.finish()
 
-    async def _account(
-        self, first: ProcessingRequest, rest: AsyncIterator[ProcessingRequest]
-    ) -> None:
+    async def _account(self, request_iterator: AsyncIterator[ProcessingRequest]) -> None:
         """Observability-mode stream: Envoy does not wait for replies, so we send none."""
         processor = AccountingProcessor(self.gateway)
         try:
-            async for request in _chain(first, rest):
-                phase = request.WhichOneof("request")
-                if phase == "response_body":
+            async for request in request_iterator:
+                if request.HasField("response_body"):
                     processor.on_response_body(request.response_body)
-                elif phase == "response_headers":
+                elif request.HasField("response_headers"):
                     processor.on_response_headers(request.response_headers)
-                elif phase == "request_headers":
+                elif request.HasField("request_headers"):
                     processor.on_request_headers(request.request_headers)
         except Exception:
             log.exception("accounting stream failed")
             raise
         finally:
             processor.finish()
-
-
-async def _chain(
-    first: ProcessingRequest, rest: AsyncIterator[ProcessingRequest]
-) -> AsyncIterator[ProcessingRequest]:
-    yield first
-    async for request in rest:
-        yield request
 
 
 async def start_grpc_server(gateway: Gateway, address: str) -> tuple[grpc.aio.Server, int]:
