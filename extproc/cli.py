@@ -107,6 +107,12 @@ BENCH_SCENARIOS = {
 }
 
 
+def _simulate(args: argparse.Namespace) -> int:
+    from extproc.sim.cli import main as run_simulate
+
+    return run_simulate(args)
+
+
 def _up(args: argparse.Namespace) -> int:
     from extproc.up import run_up
 
@@ -161,6 +167,12 @@ def build_parser() -> argparse.ArgumentParser:
         scenario = scenarios.add_parser(name, help=help_text)
         importlib.import_module(f"extproc.bench.{module}").add_arguments(scenario)
         scenario.set_defaults(func=_bench(module))
+
+    simulate = commands.add_parser("simulate", help="offline simulation and capacity planning")
+    from extproc.sim.cli import add_arguments as add_simulate_arguments
+
+    add_simulate_arguments(simulate)
+    simulate.set_defaults(func=_simulate)
 
     up = commands.add_parser("up", help="run Envoy, the service and emulated engines together")
     from extproc.up import add_arguments as add_up_arguments
