@@ -51,9 +51,9 @@ def _policy_schema(_: argparse.Namespace) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from extproc.service.main import run_serve
+    from extproc.service.main import run
 
-    return run_serve(args.policy, args.grpc, args.admin)
+    return run(args)
 
 
 def _envoy_render(args: argparse.Namespace) -> int:
@@ -138,9 +138,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
 
     serve = commands.add_parser("serve", help="run the ext_proc gRPC service")
-    serve.add_argument("--policy", default=DEFAULT_POLICY)
-    serve.add_argument("--grpc", default="127.0.0.1:50051", help="gRPC listen address")
-    serve.add_argument("--admin", default="127.0.0.1:9090", help="admin HTTP address (loopback)")
+    from extproc.service.main import add_arguments as add_serve_arguments
+
+    add_serve_arguments(serve, DEFAULT_POLICY)
     serve.set_defaults(func=_serve)
 
     envoy = commands.add_parser("envoy", help="Envoy configuration")

@@ -1,6 +1,15 @@
-"""Prometheus metrics of the service. Tenant labels come only from the policy, never from input."""
+"""Prometheus metrics of the service. Tenant labels come only from the policy, never from input.
+
+Counters and histograms are updated on the request path (extproc.service.gateway). Gauges that
+describe live state (queue depth, in-flight work, bucket levels, fair-share counters) are
+refreshed from `Scheduler.snapshot()` when /metrics is scraped: `Metrics.refresh`.
+"""
 
 from __future__ import annotations
+
+import time
+from collections.abc import Collection, Mapping
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
@@ -10,11 +19,19 @@ _LATENCY_BUCKETS = (
     0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
 )  # fmt: skip
 
+RELOAD_RESULTS = ("success", "error", "unchanged")
+
+
+def tenant_label(name: str | None, known: Collection[str]) -> str:
+    """The label value for a tenant: its policy name, or "unknown" for anything else."""
+    return name if name is not None and name in known else UNKNOWN_TENANT
+
 
 class Metrics:
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry or CollectorRegistry()
         r = self.registry
+        # -- per request, updated on the request path -------------------------------------------
         self.requests = Counter(
             "extproc_requests", "Requests by terminal outcome",
             ["tenant", "tier", "pool", "outcome"], registry=r,
@@ -22,20 +39,6 @@ class Metrics:
         self.queue_wait = Histogram(
             "extproc_queue_wait_seconds", "Time held at the door before admission",
             ["tenant", "tier"], buckets=_LATENCY_BUCKETS, registry=r,
-        )  # fmt: skip
-        self.queued = Gauge(
-            "extproc_queued_requests",
-            "Requests waiting at the door",
-            ["tenant", "tier"],
-            registry=r,
-        )
-        self.inflight = Gauge(
-            "extproc_pool_inflight_requests", "Admitted requests not yet finished", ["pool"],
-            registry=r,
-        )  # fmt: skip
-        self.inflight_tokens = Gauge(
-            "extproc_pool_inflight_tokens", "Estimated token budget of in-flight requests",
-            ["pool"], registry=r,
         )  # fmt: skip
         self.tokens = Counter(
             "extproc_tokens",
@@ -52,10 +55,158 @@ class Metrics:
             ["mode"], buckets=(0.5, 0.7, 0.8, 0.9, 0.95, 1.0, 1.05, 1.1, 1.25, 1.5, 2.0),
             registry=r,
         )  # fmt: skip
+        # -- policy and lifecycle ---------------------------------------------------------------
         self.policy_reloads = Counter(
             "extproc_policy_reloads", "Policy reload attempts", ["result"], registry=r
         )
+        for result in RELOAD_RESULTS:
+            self.policy_reloads.labels(result)  # export zeroes, so rate() works from the start
+        self.policy_last_reload = Gauge(
+            "extproc_policy_last_reload_timestamp_seconds",
+            "Unix time of the last reload attempt, by result",
+            ["result"],
+            registry=r,
+        )
+        self.policy_tenants = Gauge(
+            "extproc_policy_tenants", "Tenants in the policy in force", registry=r
+        )
+        self.ready = Gauge(
+            "extproc_ready", "1 when a valid policy is loaded and the service is not draining",
+            registry=r,
+        )  # fmt: skip
+        self.draining = Gauge(
+            "extproc_draining", "1 from SIGTERM until the process exits", registry=r
+        )
+        self.drained_requests = Counter(
+            "extproc_drained_requests",
+            "Queued requests answered 503 because the service was shutting down",
+            registry=r,
+        )
+        # -- live state, refreshed from the scheduler snapshot at scrape time -------------------
+        self.queued = Gauge(
+            "extproc_queued_requests",
+            "Requests waiting at the door",
+            ["tenant", "tier"],
+            registry=r,
+        )
+        self.tenant_inflight = Gauge(
+            "extproc_tenant_inflight_requests", "Admitted requests of a tenant not yet finished",
+            ["tenant", "tier"], registry=r,
+        )  # fmt: skip
+        self.tenant_inflight_tokens = Gauge(
+            "extproc_tenant_inflight_tokens",
+            "Estimated token budget of a tenant's in-flight requests",
+            ["tenant", "tier"], registry=r,
+        )  # fmt: skip
+        self.bucket_level = Gauge(
+            "extproc_tenant_bucket_level",
+            "Rate-limit bucket level: requests or tokens available now",
+            ["tenant", "bucket"], registry=r,
+        )  # fmt: skip
+        self.fair_share = Gauge(
+            "extproc_tenant_fair_share",
+            "Fair-share counter of a tenant in a pool (VTC counter or DRR deficit)",
+            ["tenant", "pool"], registry=r,
+        )  # fmt: skip
+        self.served_tokens = Gauge(
+            "extproc_tenant_served_tokens",
+            "Tokens served to a tenant since start, as the scheduler accounts them",
+            ["tenant"], registry=r,
+        )  # fmt: skip
+        self.inflight = Gauge(
+            "extproc_pool_inflight_requests", "Admitted requests not yet finished", ["pool"],
+            registry=r,
+        )  # fmt: skip
+        self.inflight_tokens = Gauge(
+            "extproc_pool_inflight_tokens", "Estimated token budget of in-flight requests",
+            ["pool"], registry=r,
+        )  # fmt: skip
+        self.pool_queued = Gauge(
+            "extproc_pool_queued_requests", "Requests waiting for a pool", ["pool"], registry=r
+        )
+        self.pool_max_inflight = Gauge(
+            "extproc_pool_max_inflight_requests", "The pool's request capacity now", ["pool"],
+            registry=r,
+        )  # fmt: skip
+        self.pool_max_inflight_tokens = Gauge(
+            "extproc_pool_max_inflight_tokens", "The pool's token capacity now", ["pool"],
+            registry=r,
+        )  # fmt: skip
+        self.pool_drain_rate = Gauge(
+            "extproc_pool_drain_rate", "Completions per second, decaying average", ["pool"],
+            registry=r,
+        )  # fmt: skip
         self.reclaimed_leases = Counter(
             "extproc_reclaimed_leases", "Capacity leases reclaimed by the lease timeout", ["pool"],
             registry=r,
         )  # fmt: skip
+        self._reclaimed_seen: dict[str, int] = {}
+
+    # -- policy reloads ---------------------------------------------------------------------------
+
+    def reload_attempt(self, result: str) -> None:
+        self.policy_reloads.labels(result).inc()
+        self.policy_last_reload.labels(result).set(time.time())
+
+    # -- scrape-time refresh ----------------------------------------------------------------------
+
+    def refresh(self, snapshot: Mapping[str, Any], tenants: Collection[str]) -> None:
+        """Set the live-state gauges from `Scheduler.snapshot()`.
+
+        `tenants` are the policy's tenant names: a tenant outside it (one removed by a reload
+        that still has requests in flight) is counted under "unknown", so label values stay
+        bounded by the policy.
+        """
+        per_tenant = (
+            self.queued, self.tenant_inflight, self.tenant_inflight_tokens, self.bucket_level,
+            self.fair_share, self.served_tokens,
+        )  # fmt: skip
+        for gauge in per_tenant:
+            gauge.clear()
+        for name, state in snapshot.get("tenants", {}).items():
+            tenant = tenant_label(name, tenants)
+            tier = state.get("tier") or UNKNOWN_TENANT
+            self.queued.labels(tenant, tier).inc(state.get("queued", 0))
+            self.tenant_inflight.labels(tenant, tier).inc(state.get("inflight", 0))
+            self.tenant_inflight_tokens.labels(tenant, tier).inc(state.get("inflight_tokens", 0))
+            self.served_tokens.labels(tenant).inc(state.get("served_tokens", 0))
+            if tenant == UNKNOWN_TENANT:
+                continue
+            for bucket, level in (state.get("buckets") or {}).items():
+                self.bucket_level.labels(tenant, str(bucket)).set(level)
+            for pool, level in (state.get("fair_share") or {}).items():
+                self.fair_share.labels(tenant, str(pool)).set(level)
+        pools: Mapping[str, Any] = snapshot.get("pools", {})
+        for gauge in (
+            self.inflight, self.inflight_tokens, self.pool_queued, self.pool_max_inflight,
+            self.pool_max_inflight_tokens, self.pool_drain_rate,
+        ):  # fmt: skip
+            gauge.clear()
+        for name, pool in pools.items():
+            self.inflight.labels(name).set(pool.get("inflight", 0))
+            self.inflight_tokens.labels(name).set(pool.get("inflight_tokens", 0))
+            self.pool_queued.labels(name).set(pool.get("queued", 0))
+            if pool.get("max_inflight") is not None:
+                self.pool_max_inflight.labels(name).set(pool["max_inflight"])
+            if pool.get("max_inflight_tokens") is not None:
+                self.pool_max_inflight_tokens.labels(name).set(pool["max_inflight_tokens"])
+            if pool.get("drain_rate") is not None:
+                self.pool_drain_rate.labels(name).set(pool["drain_rate"])
+        self._refresh_reclaimed(snapshot, pools)
+
+    def _refresh_reclaimed(self, snapshot: Mapping[str, Any], pools: Mapping[str, Any]) -> None:
+        """Mirror the scheduler's reclaimed-lease totals into a counter (by pool when the
+        snapshot carries per-pool counts, else under pool="all")."""
+        totals: dict[str, int] = {
+            name: int(pool["reclaimed_leases"])
+            for name, pool in pools.items()
+            if isinstance(pool.get("reclaimed_leases"), int)
+        }
+        if not totals:
+            totals = {"all": int(snapshot.get("reclaimed_leases", 0))}
+        for pool, total in totals.items():
+            seen = self._reclaimed_seen.get(pool, 0)
+            child = self.reclaimed_leases.labels(pool)
+            if total > seen:
+                child.inc(total - seen)
+            self._reclaimed_seen[pool] = max(seen, total)

@@ -37,10 +37,8 @@ from extproc.admin import AdminServer
 from extproc.metrics import Metrics
 from extproc.policy import Policy, PolicyError, compile_policy, parse_policy
 from extproc.reload import PolicyReloader
-from extproc.scheduler import Rejection
 from extproc.service.gateway import Gateway
 from extproc.service.server import start_grpc_server
-from extproc.types import Outcome
 
 log = logging.getLogger("extproc.serve")
 
@@ -243,34 +241,14 @@ def _log_policy_errors(errors: Sequence[str], message: str) -> None:
 
 def drain_queued(gateway: Gateway) -> int:
     """Answer every still-queued request with 503 + Retry-After; returns how many."""
-    method = getattr(gateway, "drain_queued", None)
+    return gateway.drain_queued(retry_after_s=DRAIN_RETRY_AFTER_S)
+
+
+async def _maybe_await(method: Any) -> None:
     if callable(method):
-        return int(method())
-    return _drain_queued_fallback(gateway)
-
-
-def _drain_queued_fallback(gateway: Gateway) -> int:
-    """Stop-gap while `Gateway.drain_queued` does not exist: cancel each waiting ticket in the
-    scheduler and resolve its turn with the 503 the processor turns into an ext_proc reply."""
-    admission = gateway.admission
-    waiting: dict[str, asyncio.Future[Any]] = getattr(admission, "_waiting", {})
-    rejections = []
-    for request_id, turn in list(waiting.items()):
-        if turn.done():
-            continue
-        gateway.scheduler.cancel(request_id)
-        rejections.append(
-            Rejection(
-                request_id=request_id,
-                tenant="",
-                outcome=Outcome.UNAVAILABLE,
-                http_status=503,
-                retry_after_s=DRAIN_RETRY_AFTER_S,
-                message="the gateway is shutting down; retry on another instance",
-            )
-        )
-    admission.resolve(rejections)
-    return len(rejections)
+        result = method()
+        if asyncio.iscoroutine(result):
+            await result
 
 
 class Service:
@@ -352,6 +330,8 @@ class Service:
         policy, text = loaded
         gateway = Gateway(policy, metrics=self.metrics)
         self.gateway = gateway
+        # Connect the admission state store (a no-op in memory) before taking streams.
+        await _maybe_await(getattr(gateway, "start", None))
         self.metrics.policy_tenants.set(len(policy.tenants))
         self.reloader = PolicyReloader(
             path=options.policy,
@@ -443,6 +423,8 @@ class Service:
             await self.reloader.stop()
         if self.server is not None and not self.admin.draining:
             await self.server.stop(0)
+        if self.gateway is not None:
+            await _maybe_await(getattr(self.gateway, "close", None))
         await self.admin.stop()
 
     async def run(self) -> int:
@@ -452,6 +434,9 @@ class Service:
                 started = await self.start()
             except OSError as error:
                 log.error("cannot start: %s", error)
+                return 1
+            except Exception:
+                log.exception("cannot start")
                 return 1
             if not started:
                 return 0 if self.stop_requested.is_set() else 1

@@ -68,6 +68,7 @@ class RequestState:
     usage_input: int | None = None
     usage_output: int | None = None
     upstream_status: int | None = None
+    recorded: bool = False
 
 
 def header_map(headers: HttpHeaders) -> dict[str, str]:

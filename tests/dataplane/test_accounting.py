@@ -25,9 +25,7 @@ LIMITS = "{requests_per_minute: 6000, tokens_per_minute: 10000000, max_queued: 5
 @pytest.fixture(scope="module")
 def gateway(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningGateway]:
     def make(short: str, long_: str) -> str:
-        return policy_yaml(
-            short, long_, acme_limits=LIMITS, globex_limits=LIMITS, short_inflight=8
-        )
+        return policy_yaml(short, long_, acme_limits=LIMITS, globex_limits=LIMITS, short_inflight=8)
 
     with running_gateway(tmp_path_factory.mktemp("accounting"), make) as running:
         yield running
@@ -51,7 +49,11 @@ def usage_of_stream(raw: bytes) -> dict[str, int] | None:
 
 
 async def one_request(
-    session: aiohttp.ClientSession, gateway: RunningGateway, tenant: str, kind: str, rng: random.Random
+    session: aiohttp.ClientSession,
+    gateway: RunningGateway,
+    tenant: str,
+    kind: str,
+    rng: random.Random,
 ) -> dict[str, int] | None:
     body: dict[str, Any] = {
         "model": "m",
@@ -134,8 +136,16 @@ async def test_counted_tokens_equal_engine_usage(gateway: RunningGateway) -> Non
     abandoned = sum(1 for tenant, kind in plan if kind == "abandon")
     all_output = counted("acme", "output") + counted("globex", "output")
     engine_output = engine_total("vllm:generation_tokens_total")
-    assert engine_output - 4 * abandoned <= all_output <= engine_output
+    figures = {
+        "counted": {t: {d: counted(t, d) for d in ("input", "output")} for t in reported},
+        "reported": reported,
+        "engine_output": engine_total("vllm:generation_tokens_total"),
+        "engine_input": engine_total("vllm:prompt_tokens_total"),
+    }
+    assert engine_output - 4 * abandoned <= all_output <= engine_output, figures
     completed_input = reported["globex"]["input"] + reported["acme"]["input"]
     all_input = counted("acme", "input") + counted("globex", "input")
     engine_input = engine_total("vllm:prompt_tokens_total")
-    assert all_input - completed_input == pytest.approx(engine_input - completed_input, rel=0.5)
+    assert all_input - completed_input == pytest.approx(engine_input - completed_input, rel=0.5), (
+        figures
+    )

@@ -1,0 +1,315 @@
+"""deploy/: Kubernetes manifests, the Istio EnvoyFilter and the Envoy Gateway policies agree with
+the service (ports, names, probes, drain) and with extproc/envoy_config.py's rendering (processing
+modes, observability mode, timeouts, limits); their Envoy snippets pass `envoy --mode validate`."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import Any
+
+import pytest
+from envoy.extensions.filters.network.http_connection_manager.v3 import (
+    http_connection_manager_pb2 as hcm_pb2,
+)
+from google.protobuf import json_format
+
+from extproc.cli import build_parser
+from extproc.policy import parse_policy
+from extproc.types import POOL_HEADER
+from tests.production.static import (
+    ACCOUNTING_FILTER,
+    ADMISSION_FILTER,
+    DEPLOY,
+    configmap_policy,
+    deploy_documents,
+    ext_proc,
+    find,
+    port_of,
+    rendered,
+    rendered_filter,
+    rendered_manager,
+    validate_envoy,
+)
+
+NAMESPACE = "llm-gateway"
+_MANAGER = "envoy.filters.network.http_connection_manager"
+_ROUTER = "envoy.filters.http.router"
+
+
+def container() -> dict[str, Any]:
+    deployment = find("kubernetes", "Deployment", "extproc")
+    (main,) = deployment["spec"]["template"]["spec"]["containers"]
+    return main  # type: ignore[no-any-return]
+
+
+def serve_args() -> Any:
+    return build_parser().parse_args(container()["args"])
+
+
+def env_of(main: dict[str, Any]) -> dict[str, str]:
+    return {item["name"]: item["value"] for item in main.get("env", [])}
+
+
+def service_fqdn() -> tuple[str, int]:
+    service = find("kubernetes", "Service", "extproc")
+    grpc_port = next(p for p in service["spec"]["ports"] if p["name"] == "grpc")["port"]
+    namespace = service["metadata"]["namespace"]
+    return f"{service['metadata']['name']}.{namespace}.svc.cluster.local", grpc_port
+
+
+def duration_s(text: str) -> float:
+    message = json_format.ParseDict({"stream_idle_timeout": text}, hcm_pb2.HttpConnectionManager())
+    return float(message.stream_idle_timeout.ToTimedelta().total_seconds())
+
+
+@pytest.mark.parametrize("folder", ["kubernetes", "istio", "envoy-gateway"])
+def test_manifests_parse_with_kind_name_and_namespace(folder: str) -> None:
+    documents = list(deploy_documents(folder))
+    assert documents
+    for path, doc in documents:
+        assert doc.get("apiVersion") and doc.get("kind"), path
+        if doc["kind"] == "Kustomization":
+            continue
+        assert doc["metadata"]["name"], path
+        if doc["kind"] != "Namespace":
+            assert doc["metadata"].get("namespace") in {NAMESPACE, "istio-system"}, path
+
+
+def test_kustomization_lists_existing_files() -> None:
+    kustomization = find("kubernetes", "Kustomization")
+    for resource in kustomization["resources"]:
+        assert (DEPLOY / "kubernetes" / resource).exists(), resource
+
+
+def test_policy_configmap_is_a_valid_policy_mounted_as_a_folder() -> None:
+    configmap = find("kubernetes", "ConfigMap", "extproc-policy")
+    (key,) = configmap["data"]
+    parse_policy(configmap["data"][key], key)  # raises with file:line on any problem
+    pod = find("kubernetes", "Deployment", "extproc")["spec"]["template"]["spec"]
+    volume = next(
+        v for v in pod["volumes"] if v.get("configMap", {}).get("name") == "extproc-policy"
+    )
+    mount = next(m for m in container()["volumeMounts"] if m["name"] == volume["name"])
+    # No subPath: a subPath mount never sees ConfigMap updates, so hot reload would not work.
+    assert "subPath" not in mount and mount["readOnly"]
+    assert serve_args().policy == f"{mount['mountPath'].rstrip('/')}/{key}"
+
+
+def test_deployment_ports_probes_and_service_agree() -> None:
+    main = container()
+    args = serve_args()
+    assert args.command == "serve"
+    ports = {p["name"]: p["containerPort"] for p in main["ports"]}
+    assert ports["grpc"] == port_of(args.grpc) and ports["admin"] == port_of(args.admin)
+    for probe, path in (("livenessProbe", "/healthz"), ("startupProbe", "/healthz"),
+                        ("readinessProbe", "/readyz")):  # fmt: skip
+        get = main[probe]["httpGet"]
+        assert get["path"] == path and get["port"] == "admin", probe
+    service = find("kubernetes", "Service", "extproc")
+    labels = find("kubernetes", "Deployment", "extproc")["spec"]["template"]["metadata"]["labels"]
+    assert service["spec"]["selector"].items() <= labels.items()
+    by_name = {p["name"]: p for p in service["spec"]["ports"]}
+    assert by_name["grpc"]["targetPort"] == "grpc" and by_name["grpc"]["port"] == ports["grpc"]
+    assert by_name["grpc"]["appProtocol"] == "grpc"  # Istio: HTTP/2 to the service
+    assert by_name["http-admin"]["targetPort"] == "admin"
+    annotations = find("kubernetes", "Deployment", "extproc")["spec"]["template"]["metadata"][
+        "annotations"
+    ]
+    assert int(annotations["prometheus.io/port"]) == ports["admin"]
+
+
+def test_deployment_is_non_root_bounded_and_drains_within_its_grace() -> None:
+    deployment = find("kubernetes", "Deployment", "extproc")
+    spec = deployment["spec"]
+    # With in-memory admission state both streams of a request must reach the one process.
+    if configmap_policy().source.state.backend == "memory":
+        assert spec["replicas"] == 1
+    assert spec["strategy"]["rollingUpdate"]["maxUnavailable"] == 0
+    pod = spec["template"]["spec"]
+    assert pod["securityContext"]["runAsNonRoot"] is True
+    assert pod["securityContext"]["runAsUser"] == 10001  # the Dockerfile's user
+    main = container()
+    security = main["securityContext"]
+    assert security["allowPrivilegeEscalation"] is False
+    assert security["readOnlyRootFilesystem"] is True
+    assert security["capabilities"]["drop"] == ["ALL"]
+    assert main["resources"]["requests"]["cpu"] and main["resources"]["limits"]["memory"]
+    grace = float(env_of(main)["EXTPROC_DRAIN_GRACE"])
+    pre_stop = float(main["lifecycle"]["preStop"]["exec"]["command"][-1])
+    assert pod["terminationGracePeriodSeconds"] > pre_stop + grace
+
+
+def test_istio_envoyfilter_inserts_both_filters_like_the_render() -> None:
+    policy = configmap_policy()
+    bootstrap = rendered(policy)
+    envoy_filter = find("istio", "EnvoyFilter")
+    patches = envoy_filter["spec"]["configPatches"]
+    http_filters = [p for p in patches if p["applyTo"] == "HTTP_FILTER"]
+    assert [p["patch"]["value"]["name"] for p in http_filters] == [
+        ADMISSION_FILTER,
+        ACCOUNTING_FILTER,
+    ]
+    fqdn, grpc_port = service_fqdn()
+    for patch in http_filters:
+        assert patch["match"]["context"] == "GATEWAY"
+        chain = patch["match"]["listener"]["filterChain"]["filter"]
+        assert chain["name"] == _MANAGER and chain["subFilter"]["name"] == _ROUTER
+        assert patch["patch"]["operation"] == "INSERT_BEFORE"
+        value = patch["patch"]["value"]
+        config = value["typed_config"]
+        expected = rendered_filter(bootstrap, value["name"])
+        assert config["@type"] == expected["@type"]
+        assert ext_proc(config) == ext_proc(expected), value["name"]
+        cluster = config["grpc_service"]["envoy_grpc"]["cluster_name"]
+        assert cluster == f"outbound|{grpc_port}||{fqdn}"
+    accounting = http_filters[1]["patch"]["value"]["typed_config"]
+    assert accounting["observability_mode"] is True
+    manager = rendered_manager(bootstrap)
+    merged = next(p for p in patches if p["applyTo"] == "NETWORK_FILTER")["patch"]["value"]
+    typed = merged["typed_config"]
+    assert duration_s(typed["stream_idle_timeout"]) == duration_s(manager["streamIdleTimeout"])
+    assert duration_s(typed["request_timeout"]) == duration_s(manager["requestTimeout"])
+    listener = next(p for p in patches if p["applyTo"] == "LISTENER")["patch"]["value"]
+    expected_limit = bootstrap["staticResources"]["listeners"][0]["perConnectionBufferLimitBytes"]
+    assert listener["per_connection_buffer_limit_bytes"] == expected_limit
+    ports = {p["match"]["listener"]["portNumber"] for p in patches}
+    assert ports == {8080}  # the ingress gateway pod's HTTP listener (Service port 80)
+
+
+def test_istio_destination_rule_raises_the_extproc_circuit_breakers() -> None:
+    rule = find("istio", "DestinationRule", "extproc")
+    fqdn, _ = service_fqdn()
+    assert rule["spec"]["host"] == fqdn
+    pool = rule["spec"]["trafficPolicy"]["connectionPool"]
+    rendered_cluster = rendered(configmap_policy())["staticResources"]["clusters"][0]
+    limits = rendered_cluster["circuitBreakers"]["thresholds"][0]
+    assert pool["http"]["http2MaxRequests"] >= limits["maxRequests"]
+    assert pool["http"]["http1MaxPendingRequests"] >= limits["maxPendingRequests"]
+    assert pool["tcp"]["maxConnections"] >= limits["maxConnections"]
+
+
+def _pool_services() -> dict[str, int]:
+    return {
+        doc["metadata"]["name"]: doc["spec"]["ports"][0]["port"]
+        for path, doc in deploy_documents("kubernetes")
+        if doc["kind"] == "Service" and doc["metadata"]["name"].startswith("vllm-")
+    }
+
+
+def test_istio_routes_each_pool_header_to_its_service() -> None:
+    policy = configmap_policy()
+    services = _pool_services()
+    routes = find("istio", "VirtualService")["spec"]["http"]
+    matched: dict[str, str] = {}
+    for route in routes:
+        destination = route["route"][0]["destination"]
+        host = destination["host"].split(".")[0]
+        assert services[host] == destination["port"]["number"]
+        assert route["timeout"] == "0s"
+        for match in route.get("match", []):
+            matched[match["headers"][POOL_HEADER]["exact"]] = host
+    assert matched == {pool: f"vllm-{pool}" for pool in policy.pools}
+    assert "match" not in routes[-1]  # a default route for requests without the header
+
+
+def test_envoy_gateway_extension_policy_matches_the_render() -> None:
+    policy = configmap_policy()
+    bootstrap = rendered(policy)
+    admission = rendered_filter(bootstrap, ADMISSION_FILTER)
+    extension = find("envoy-gateway", "EnvoyExtensionPolicy")
+    assert extension["spec"]["targetRefs"][0] == {
+        "group": "gateway.networking.k8s.io", "kind": "Gateway", "name": "llm-gateway",
+    }  # fmt: skip
+    (entry,) = extension["spec"]["extProc"]
+    service = find("kubernetes", "Service", "extproc")
+    _, grpc_port = service_fqdn()
+    assert entry["backendRefs"] == [{"name": service["metadata"]["name"], "port": grpc_port}]
+    mode = admission["processingMode"]
+    assert (entry["processingMode"]["request"]["body"] == "Buffered") == (
+        mode.get("requestBodyMode") == "BUFFERED"
+    )
+    # A `response` entry sends response headers; without `body` it sends no response body.
+    assert "response" in entry["processingMode"] and mode["responseHeaderMode"] == "SEND"
+    assert "body" not in entry["processingMode"]["response"] and "responseBodyMode" not in mode
+    assert entry["failOpen"] is bool(admission.get("failureModeAllow", False))
+    # No max_message_timeout in this API: the message timeout covers the longest hold.
+    assert duration_s(entry["messageTimeout"]) == duration_s(admission["maxMessageTimeout"])
+    breaker = entry["backendSettings"]["circuitBreaker"]
+    limits = bootstrap["staticResources"]["clusters"][0]["circuitBreakers"]["thresholds"][0]
+    assert breaker["maxParallelRequests"] >= limits["maxRequests"]
+    assert breaker["maxPendingRequests"] >= limits["maxPendingRequests"]
+
+
+def test_envoy_gateway_patch_adds_the_accounting_filter_like_the_render() -> None:
+    policy = configmap_policy()
+    bootstrap = rendered(policy)
+    patch = find("envoy-gateway", "EnvoyPatchPolicy")
+    gateway = find("envoy-gateway", "Gateway", "llm-gateway")
+    listener_name = gateway["spec"]["listeners"][0]["name"]
+    expected_name = (
+        f"{gateway['metadata']['namespace']}/{gateway['metadata']['name']}/{listener_name}"
+    )
+    operations = patch["spec"]["jsonPatches"]
+    assert {p["name"] for p in operations} == {expected_name}
+    values = {p["operation"].get("path", "").rsplit("/", 1)[-1]: p["operation"] for p in operations}
+    idle = values["stream_idle_timeout"]["value"]
+    assert duration_s(idle) == duration_s(rendered_manager(bootstrap)["streamIdleTimeout"])
+    appended = [p["operation"]["value"] for p in operations if p["operation"]["op"] == "add"
+                and p["operation"]["path"].endswith("/http_filters/-")]  # fmt: skip
+    assert [f["name"] for f in appended] == [ACCOUNTING_FILTER, _ROUTER]  # router stays last
+    accounting = appended[0]["typed_config"]
+    assert ext_proc(accounting) == ext_proc(rendered_filter(bootstrap, ACCOUNTING_FILTER))
+    fqdn, grpc_port = service_fqdn()
+    assert accounting["grpc_service"]["google_grpc"]["target_uri"] == f"{fqdn}:{grpc_port}"
+    removed = next(p["operation"] for p in operations if p["operation"]["op"] == "remove")
+    assert _ROUTER in removed["jsonPath"]
+    traffic = find("envoy-gateway", "ClientTrafficPolicy")
+    limit = traffic["spec"]["connection"]["bufferLimit"]
+    assert limit.endswith("Mi") and int(limit[:-2]) << 20 == policy.source.gateway.max_body_bytes
+
+
+def test_envoy_gateway_routes_each_pool_header_to_its_service() -> None:
+    policy = configmap_policy()
+    services = _pool_services()
+    route = find("envoy-gateway", "HTTPRoute")
+    assert route["spec"]["parentRefs"] == [{"name": "llm-gateway"}]
+    matched = {}
+    for rule in route["spec"]["rules"]:
+        (backend,) = rule["backendRefs"]
+        assert services[backend["name"]] == backend["port"]
+        assert rule["timeouts"]["request"] == "0s"
+        for match in rule["matches"]:
+            for header in match.get("headers", []):
+                assert header["name"] == POOL_HEADER
+                matched[header["value"]] = backend["name"]
+    assert matched == {pool: f"vllm-{pool}" for pool in policy.pools}
+
+
+def test_deploy_filter_snippets_pass_envoy_validate(tmp_path: Path) -> None:
+    """The Istio and Envoy Gateway filter configs are valid Envoy 1.40 protos: put them into
+    the rendered bootstrap in place of its own filters and let Envoy check the result."""
+    bootstrap = rendered(configmap_policy())
+    patches = find("istio", "EnvoyFilter")["spec"]["configPatches"]
+    istio_filters = [
+        copy.deepcopy(p["patch"]["value"]) for p in patches if p["applyTo"] == "HTTP_FILTER"
+    ]
+    cluster_name = istio_filters[0]["typed_config"]["grpc_service"]["envoy_grpc"]["cluster_name"]
+    eg_ops = find("envoy-gateway", "EnvoyPatchPolicy")["spec"]["jsonPatches"]
+    appended = [
+        p["operation"]["value"]
+        for p in eg_ops
+        if p["operation"]["op"] == "add" and isinstance(p["operation"].get("value"), dict)
+    ]
+    eg_accounting = copy.deepcopy(next(v for v in appended if v["name"] == ACCOUNTING_FILTER))
+    eg_accounting["name"] = "eg.accounting"
+    manager = rendered_manager(bootstrap)
+    router = manager["httpFilters"][-1]
+    manager["httpFilters"] = [*istio_filters, eg_accounting, router]
+    network = next(p for p in patches if p["applyTo"] == "NETWORK_FILTER")["patch"]["value"]
+    manager["streamIdleTimeout"] = network["typed_config"]["stream_idle_timeout"]
+    extproc_cluster = bootstrap["staticResources"]["clusters"][0]
+    extproc_cluster["name"] = cluster_name
+    extproc_cluster["loadAssignment"]["clusterName"] = cluster_name
+    result = validate_envoy(bootstrap, tmp_path)
+    assert result.returncode == 0, result.stdout + result.stderr
