@@ -1,12 +1,19 @@
-"""The asyncio adapter around the pure scheduler core: one awaited turn per request."""
+"""The asyncio adapter around the pure scheduler core: one awaited turn per request.
+
+`AdmissionController` runs everything in this process (state backend `memory`).
+`extproc.state.SharedAdmissionController` extends it for state shared through Redis; the
+gateway only uses the methods defined here, so it does not care which one it holds.
+"""
 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from extproc.errors import GatewayError
 from extproc.metrics import Metrics
+from extproc.policy import Policy
 from extproc.scheduler import Admission, Rejection, Scheduler, Ticket
 
 
@@ -18,6 +25,18 @@ class Grant:
     pool: str
     wait_s: float
     ratelimit_headers: dict[str, str]
+
+
+@dataclass
+class RemoteLease:
+    """A request admitted by another process, seen by this one's accounting stream."""
+
+    request_id: str
+    tenant: str | None = None
+    pool: str | None = None
+    found: bool | None = None
+    """None until the shared store answered; then whether the admission was found there."""
+    settled: bool = False
 
 
 def rejection_error(rejection: Rejection) -> GatewayError:
@@ -41,11 +60,36 @@ class AdmissionController:
         self._timer: asyncio.TimerHandle | None = None
         self._timer_at: float | None = None
 
+    # -- lifecycle (no-ops here; the shared controller connects and runs background tasks) ----
+
+    async def start(self) -> None:
+        """Connect to the state store, if any."""
+
+    async def close(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+            self._timer_at = None
+
+    def update_policy(self, policy: Policy) -> int:
+        """Hot reload; queued requests the new policy cannot serve are answered. Returns how
+        many were."""
+        rejections = self.scheduler.update_policy(policy)
+        self.resolve(rejections)
+        self.pump()
+        return len(rejections)
+
+    # -- one request --------------------------------------------------------------------------
+
     def submit(self, ticket: Ticket) -> asyncio.Future[Grant]:
         turn: asyncio.Future[Grant] = asyncio.get_running_loop().create_future()
+        return self._enqueue(ticket, turn)
+
+    def _enqueue(self, ticket: Ticket, turn: asyncio.Future[Grant]) -> asyncio.Future[Grant]:
         rejection = self.scheduler.submit(ticket)
         if rejection is not None:
-            turn.set_exception(rejection_error(rejection))
+            if not turn.done():
+                turn.set_exception(rejection_error(rejection))
             return turn
         self._waiting[ticket.request_id] = turn
         self.pump()
@@ -69,6 +113,35 @@ class AdmissionController:
     def charge_output(self, grant: Grant, tokens: int) -> None:
         self.scheduler.charge_output(grant.lease_id, tokens)
 
+    def hand_off(self, grant: Grant, still_ours: Callable[[], bool]) -> bool:
+        """The admission stream ended and no accounting stream of this process took the
+        request over. Here nobody else can: release now (True). The shared controller waits
+        a moment for an accounting stream on another process instead (False)."""
+        del still_ours
+        self.release(grant)
+        return True
+
+    # -- accounting streams of requests admitted by another process ----------------------------
+
+    def attach_remote(self, request_id: str) -> RemoteLease | None:
+        """Only shared state can settle a request another process admitted."""
+        del request_id
+        return None
+
+    def charge_remote(self, remote: RemoteLease, tokens: int) -> None:
+        del remote, tokens
+
+    def settle_remote(
+        self, remote: RemoteLease, input_tokens: int | None, output_tokens: int | None
+    ) -> None:
+        del remote, input_tokens, output_tokens
+
+    def describe(self) -> dict[str, object]:
+        """Where admission state lives and how it is doing (admin views)."""
+        return {"backend": "memory"}
+
+    # -- decisions ----------------------------------------------------------------------------
+
     def pump(self) -> None:
         """Apply every decision the scheduler can make now, then sleep till the next one."""
         for rejection in self.scheduler.poll():
@@ -86,7 +159,7 @@ class AdmissionController:
         turn = self._waiting.pop(admission.ticket.request_id, None)
         if turn is None or turn.done():
             # Nobody waits for it any more: give the capacity straight back.
-            self.scheduler.release(admission.lease.lease_id)
+            self._abandon(admission)
             return
         turn.set_result(
             Grant(
@@ -96,6 +169,9 @@ class AdmissionController:
                 ratelimit_headers=dict(admission.ratelimit_headers),
             )
         )
+
+    def _abandon(self, admission: Admission) -> None:
+        self.scheduler.release(admission.lease.lease_id)
 
     def _resolve_rejection(self, rejection: Rejection) -> None:
         turn = self._waiting.pop(rejection.request_id, None)

@@ -51,6 +51,10 @@ def _policy_schema(_: argparse.Namespace) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
+    if args.workers > 1:
+        from extproc.service.workers import run_workers
+
+        return run_workers(args)
     from extproc.service.main import run
 
     return run(args)
@@ -105,6 +109,13 @@ BENCH_SCENARIOS = {
     "estimator": ("estimator", "token estimation error per content category"),
     "overhead": ("overhead", "CPU and latency cost against a do-nothing ext_proc floor"),
     "calibrate": ("calibrate", "emulator cpu-tiny profile against a real vLLM (CPU) engine"),
+    "noisy-neighbour": (
+        "noisy",
+        "a quiet tenant beside a flooder: FIFO, token bucket, full policy",
+    ),
+    "token-fairness": ("fairness", "request-count vs token (DRR, VTC) fairness: Jain, service gap"),
+    "tiers": ("tiers", "premium vs standard tenants over capacity: TTFT, weighted shares, waits"),
+    "scaleout": ("scaleout", "admissions/s and latency with 1, 2, 4 processes, memory vs Redis"),
 }
 
 
@@ -141,6 +152,9 @@ def build_parser() -> argparse.ArgumentParser:
     from extproc.service.main import add_arguments as add_serve_arguments
 
     add_serve_arguments(serve, DEFAULT_POLICY)
+    from extproc.service.workers import add_arguments as add_worker_arguments
+
+    add_worker_arguments(serve)
     serve.set_defaults(func=_serve)
 
     envoy = commands.add_parser("envoy", help="Envoy configuration")

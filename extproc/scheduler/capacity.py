@@ -1,11 +1,19 @@
 """How much work a pool takes at once: a small component the scheduler asks before dispatch.
 
-`StaticCapacity` enforces the policy's `max_inflight` (requests) and `max_inflight_tokens`
-(sum of admitted budgets). A later adaptive implementation (limits driven by the engines'
-`vllm:num_requests_waiting` / `vllm:kv_cache_usage_perc`) and headroom (a soft limit only
-tenants below their fair share may exceed, up to the hard limit) implement the same protocol:
-the decision stays inside `fits`, and `can_ever_fit` answers with the hard limit so that the
-scheduler rejects only requests that could never pass.
+Two request limits, a *soft* one and a *hard* one (DESIGN.md section 2, "Beating 1.14x"):
+
+* below the soft limit anyone may be dispatched, in tier and fair-share order;
+* between the soft and the hard limit (the *headroom*) only tenants below their fair share of
+  the pool may be dispatched, so a quiet tenant never waits for a whole request of a tenant
+  that keeps the soft limit full; the scheduler decides who is below its share and asks
+  `fits_headroom`.
+
+`StaticCapacity` takes both from the policy: hard = `max_inflight`, soft = `max_inflight -
+headroom` (`headroom` 0, the default, means one limit). `extproc.scheduler.adaptive.
+AdaptiveCapacity` moves the soft limit with the engines' `vllm:num_requests_waiting` and
+`vllm:kv_cache_usage_perc` (hard = soft + headroom). Token room (`max_inflight_tokens`) is
+one hard limit for both. `can_ever_fit` answers with the hard limits so that the scheduler
+rejects only requests that could never pass.
 """
 
 from __future__ import annotations
@@ -15,18 +23,34 @@ from typing import Protocol
 from extproc.policy.model import Pool
 
 
+def pool_headroom(pool: Pool) -> int:
+    """The pool's headroom in requests (a policy field once the model has it; 0 until then)."""
+    value = getattr(pool, "headroom", 0)
+    return max(0, int(value)) if isinstance(value, int | float) else 0
+
+
 class Capacity(Protocol):
     inflight: int
     inflight_tokens: int
 
     def has_slot(self) -> bool:
-        """Room for one more request of some size (cheap test before looking at queues)."""
+        """Room below the soft limit for one more request of some size (cheap test)."""
         ...
 
-    def free_slots(self) -> int: ...
+    def free_slots(self) -> int:
+        """Requests that still fit below the soft limit."""
+        ...
 
     def fits(self, budget: int) -> bool:
-        """Room right now for one more request with this token budget."""
+        """Room below the soft limit right now for one more request with this token budget."""
+        ...
+
+    def has_headroom(self) -> bool:
+        """Room below the hard limit for one more request of some size."""
+        ...
+
+    def fits_headroom(self, budget: int) -> bool:
+        """Room below the hard limit for a request of a tenant below its fair share."""
         ...
 
     def can_ever_fit(self, budget: int) -> bool:
@@ -42,20 +66,40 @@ class Capacity(Protocol):
         ...
 
     def describe(self) -> dict[str, int]:
-        """Limits for snapshots and metrics."""
+        """Limits for snapshots and metrics (`max_inflight` is the soft limit now)."""
         ...
 
 
 class StaticCapacity:
     """Fixed limits from the policy file."""
 
-    __slots__ = ("inflight", "inflight_tokens", "max_inflight", "max_inflight_tokens")
+    __slots__ = (
+        "_headroom_override",
+        "hard_inflight",
+        "headroom",
+        "inflight",
+        "inflight_tokens",
+        "max_inflight",
+        "max_inflight_tokens",
+    )
 
-    def __init__(self, pool: Pool) -> None:
-        self.max_inflight = pool.max_inflight
-        self.max_inflight_tokens = pool.max_inflight_tokens
+    def __init__(self, pool: Pool, headroom: int | None = None) -> None:
         self.inflight = 0
         self.inflight_tokens = 0
+        self.headroom = 0
+        self.hard_inflight = 0
+        self.max_inflight = 0
+        self.max_inflight_tokens = 0
+        self._headroom_override = headroom
+        self._configure(pool)
+
+    def _configure(self, pool: Pool) -> None:
+        override = self._headroom_override
+        wanted = pool_headroom(pool) if override is None else max(0, override)
+        self.hard_inflight = pool.max_inflight
+        self.headroom = min(wanted, pool.max_inflight - 1)
+        self.max_inflight = pool.max_inflight - self.headroom
+        self.max_inflight_tokens = pool.max_inflight_tokens
 
     def has_slot(self) -> bool:
         return self.inflight < self.max_inflight
@@ -66,6 +110,18 @@ class StaticCapacity:
     def fits(self, budget: int) -> bool:
         return (
             self.inflight < self.max_inflight
+            and self.inflight_tokens + budget <= self.max_inflight_tokens
+        )
+
+    def soft_limit(self) -> int:
+        return self.max_inflight
+
+    def has_headroom(self) -> bool:
+        return self.inflight < self.hard_inflight
+
+    def fits_headroom(self, budget: int) -> bool:
+        return (
+            self.inflight < self.hard_inflight
             and self.inflight_tokens + budget <= self.max_inflight_tokens
         )
 
@@ -81,8 +137,12 @@ class StaticCapacity:
         self.inflight_tokens -= budget
 
     def update(self, pool: Pool) -> None:
-        self.max_inflight = pool.max_inflight
-        self.max_inflight_tokens = pool.max_inflight_tokens
+        self._configure(pool)
 
     def describe(self) -> dict[str, int]:
-        return {"max_inflight": self.max_inflight, "max_inflight_tokens": self.max_inflight_tokens}
+        return {
+            "max_inflight": self.max_inflight,
+            "hard_inflight": self.hard_inflight,
+            "headroom": self.headroom,
+            "max_inflight_tokens": self.max_inflight_tokens,
+        }

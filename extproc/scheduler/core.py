@@ -7,7 +7,9 @@ a. rate limits at submit (requests/min and tokens/min buckets, max_queued); max_
 b. strict tier priority per pool;
 c. token-weighted fair share between the tenants of a tier (DRR or VTC), per pool;
 d. inside a tenant: priority, then deadline, then arrival, then sequence number;
-e. pool capacity (requests and tokens in flight), leases released exactly once;
+e. pool capacity (requests and tokens in flight), leases released exactly once; above the
+   pool's soft request limit, up to its hard limit (the headroom), only tenants below their
+   fair share of the pool are dispatched;
 f. bounded waiting: expiry after max_queue_wait, shedding of requests whose deadline cannot be
    met.
 
@@ -28,6 +30,19 @@ Definitions used throughout:
   then the pool is held for its tenant: its own and lower tiers dispatch nothing more to that
   pool until the head fits. Higher tiers are unaffected.
 
+Hooks for shared state (several replicas, one Redis; extproc.state): the core stays
+synchronous and knows nothing about Redis. An adapter that must confirm an admission with a
+global gate uses four small hooks, all documented where they are defined:
+
+* `check(ticket)` runs every submit check that does not charge a bucket, so an adapter can take
+  the buckets from an asynchronous store in between, then `submit` (which re-checks);
+* `requeue(lease_id, park=...)` undoes a tentative admission the gate refused: the request goes
+  back to its place in its tenant's queue, capacity and fair-share charges are reversed;
+* `park(pool, tenant)` / `unpark(...)`: a parked tenant is not backlogged in that pool (it
+  does not compete) until unparked: it waits on a condition outside this scheduler;
+* `backlogged()` with `membership_version`: which tenants compete for which pool now, so the
+  adapter can publish its backlog to the other replicas.
+
 Design decisions:
 
 * Fair-share state is per (pool, tenant): one fairness object per (pool, tier) band. Each pool
@@ -39,6 +54,14 @@ Design decisions:
   dispatch; streamed output above the reservation is charged as it arrives
   (`charge_output`); `release` with actuals settles the difference (refund or debit) into both
   the fair share and the tokens-per-minute bucket.
+* Headroom (DESIGN.md section 2): a tenant's fair share of a pool is its weight over the summed
+  weights of the tenants active in the pool (queued or admitted), all tiers together, of the
+  pool's admitted work in tokens (budgets). Once the soft limit is full, a queued tenant whose
+  whole demand (admitted + queued budgets) is within that share -- a light tenant, which a
+  max-min fair allocation would serve in full -- may still go, in tier then fair-share order,
+  until the hard limit. So a quiet tenant does not wait for a whole request of the tenant that
+  keeps the soft limit full, while backlogged tenants never take the headroom.
+  The soft limit may move (adaptive capacity); the core only asks the Capacity object.
 * Drain rate: per pool, an exponentially decaying average of completions (releases) per second
   with warm-up correction; unknown until `min_drain_samples` completions. Shedding estimates the
   earliest admission as now + (requests certainly ahead + 1 - free slots) / drain rate, where
@@ -77,6 +100,7 @@ from extproc.scheduler.types import Admission, Lease, Rejection, Ticket
 from extproc.types import Outcome
 
 SortKey = tuple[int, float, float, int]
+_NONE = (0, 0)
 
 
 @dataclass(eq=False, slots=True)
@@ -98,16 +122,19 @@ class _Entry:
 class _TenantQueue:
     """One tenant's queued requests for one pool, in tenant order (a heap, lazy deletion)."""
 
-    __slots__ = ("heap", "live", "with_deadline")
+    __slots__ = ("heap", "live", "tokens", "with_deadline")
 
     def __init__(self) -> None:
         self.heap: list[tuple[SortKey, _Entry]] = []
         self.live = 0
+        self.tokens = 0
+        """Token budgets of the live entries."""
         self.with_deadline = 0
 
     def push(self, entry: _Entry) -> None:
         heappush(self.heap, (entry.key, entry))
         self.live += 1
+        self.tokens += entry.ticket.budget
         if entry.ticket.deadline is not None:
             self.with_deadline += 1
 
@@ -124,6 +151,7 @@ class _TenantQueue:
         heappop(self.heap)
         entry.alive = False
         self.live -= 1
+        self.tokens -= entry.ticket.budget
         if entry.ticket.deadline is not None:
             self.with_deadline -= 1
         return entry
@@ -131,6 +159,7 @@ class _TenantQueue:
     def discard(self, entry: _Entry) -> None:
         entry.alive = False
         self.live -= 1
+        self.tokens -= entry.ticket.budget
         if entry.ticket.deadline is not None:
             self.with_deadline -= 1
         if len(self.heap) > 32 and len(self.heap) > 2 * self.live:
@@ -157,7 +186,7 @@ class _Band:
 
 
 class _Pool:
-    __slots__ = ("bands", "capacity", "drain", "held", "name", "retired", "waiting")
+    __slots__ = ("bands", "capacity", "drain", "held", "name", "retired", "users", "waiting")
 
     def __init__(self, name: str, capacity: Capacity, bands: list[_Band], drain: DecayingRate):
         self.name = name
@@ -168,6 +197,9 @@ class _Pool:
         self.retired = False
         self.waiting: dict[str, None] = {}
         """Tenants with queued requests for this pool (backlogged or not)."""
+        self.users: dict[str, list[int]] = {}
+        """Tenants with admitted requests in this pool -> [requests, their token budgets]
+        (for headroom shares)."""
 
 
 class _Tenant:
@@ -212,6 +244,8 @@ class _LeaseState:
     """Output tokens already charged to the fair share (the reservation, then what streamed)."""
     fair_charged: float
     output_seen: int = 0
+    entry: _Entry | None = None
+    """The queue entry it came from, kept so that `requeue` can put it back."""
 
 
 CapacityFactory = Callable[[str, Pool], Capacity]
@@ -265,6 +299,9 @@ class Scheduler:
         self._expiries: list[tuple[float, int, _Entry]] = []
         self._deadlines: list[tuple[float, int, _Entry]] = []
         self._lease_expiries: list[tuple[float, int]] = []
+        self._parked: set[tuple[str, str]] = set()
+        self.membership_version = 0
+        """Bumped whenever a tenant starts or stops competing for a pool (see `backlogged`)."""
         self._pools: dict[str, _Pool] = {
             name: self._new_pool(name, spec) for name, spec in policy.pools.items()
         }
@@ -310,6 +347,10 @@ class Scheduler:
         limit = spec.limits.max_concurrency
         return limit is None or state.inflight < limit
 
+    def fair_cost(self, ticket: Ticket) -> float:
+        """The fair-share cost reserved for the ticket at dispatch (token units, unweighted)."""
+        return self._fair_cost(ticket)
+
     def _fair_cost(self, ticket: Ticket) -> float:
         fairness = self._policy.source.fairness
         cost = fairness.input_weight * ticket.input_tokens
@@ -337,11 +378,13 @@ class Scheduler:
             and not pool.retired
             and spec is not None
             and self._below_concurrency(state, spec)
+            and (pool_name, state.name) not in self._parked
         ):
             want = pool.bands[self._rank(spec)]
         have = state.bands.get(pool_name)
         if have is want:
             return
+        self.membership_version += 1
         if have is not None:
             del have.members[state.name]
             have.fair.on_idle(state.name)
@@ -359,9 +402,7 @@ class Scheduler:
 
     # --- submit ---------------------------------------------------------------------------------
 
-    def submit(self, ticket: Ticket) -> Rejection | None:
-        """Queue a request (None) or turn it away. Call `dispatch()` afterwards."""
-        now = self.clock.now()
+    def _check(self, ticket: Ticket, now: float) -> Rejection | None:
         spec = self._policy.tenant(ticket.tenant)
         if spec is None:
             return _reject(ticket, Outcome.UNAUTHORIZED, 403, None, _unknown_tenant(ticket.tenant))
@@ -385,9 +426,8 @@ class Scheduler:
         queue = state.queues.get(ticket.pool)
         if queue is None:
             queue = state.queues[ticket.pool] = _TenantQueue()
-        self._seq += 1
         deadline = math.inf if ticket.deadline is None else ticket.deadline
-        key: SortKey = (-ticket.priority, deadline, now, self._seq)
+        key: SortKey = (-ticket.priority, deadline, now, self._seq + 1)
         rpm, tpm = self._buckets(ticket.tenant, spec)
 
         if state.queued >= spec.limits.max_queued and not self._dispatchable_now(
@@ -415,12 +455,45 @@ class Scheduler:
                 )
                 return _reject(ticket, Outcome.SHED, 503, retry, message)
 
-        headers: dict[str, str] = {}
+        return None
+
+    def rate_takes(self, ticket: Ticket) -> list[Take]:
+        """The bucket charges `submit` makes for the ticket (requests, then tokens)."""
+        spec = self._policy.tenant(ticket.tenant)
+        if spec is None:
+            return []
+        rpm, tpm = self._buckets(ticket.tenant, spec)
         takes: list[Take] = []
         if rpm is not None:
             takes.append(Take(rpm, 1.0))
         if tpm is not None:
-            takes.append(Take(tpm, float(budget)))
+            takes.append(Take(tpm, float(ticket.budget)))
+        return takes
+
+    def check(self, ticket: Ticket) -> Rejection | None:
+        """Every check `submit` makes before it charges the rate-limit buckets, without
+        queueing anything: an adapter whose limit store is asynchronous calls it, takes the
+        buckets itself, then calls `submit` (which checks again: time has passed)."""
+        return self._check(ticket, self.clock.now())
+
+    def submit(self, ticket: Ticket) -> Rejection | None:
+        """Queue a request (None) or turn it away. Call `dispatch()` afterwards."""
+        now = self.clock.now()
+        rejection = self._check(ticket, now)
+        if rejection is not None:
+            return rejection
+        spec = self._policy.tenants[ticket.tenant]
+        budget = ticket.budget
+        state = self._tenant(ticket.tenant)
+        queue = state.queues.get(ticket.pool)
+        if queue is None:
+            queue = state.queues[ticket.pool] = _TenantQueue()
+        self._seq += 1
+        deadline = math.inf if ticket.deadline is None else ticket.deadline
+        key: SortKey = (-ticket.priority, deadline, now, self._seq)
+        rpm, tpm = self._buckets(ticket.tenant, spec)
+        headers: dict[str, str] = {}
+        takes = self.rate_takes(ticket)
         if takes:
             result = self.store.try_take(takes, now)
             levels = dict(zip((t.bucket.key for t in takes), result.levels, strict=True))
@@ -504,15 +577,27 @@ class Scheduler:
         """Admit every request that may go now, in order."""
         now = self.clock.now()
         admitted: list[Admission] = []
-        for pool in self._pools.values():
-            if pool.retired:
-                continue
-            capacity = pool.capacity
-            while capacity.has_slot():
-                entry = self._choose(pool)
-                if entry is None:
-                    break
-                admitted.append(self._admit(pool, entry, now))
+        # An admission in one pool can change another pool's options (a tenant reaching its
+        # max_concurrency leaves every band and lifts a hold it had elsewhere), so go round
+        # again until a whole pass admits nothing.
+        progressed = True
+        while progressed:
+            before = len(admitted)
+            for pool in self._pools.values():
+                if pool.retired:
+                    continue
+                capacity = pool.capacity
+                while capacity.has_slot():
+                    entry = self._choose(pool)
+                    if entry is None:
+                        break
+                    admitted.append(self._admit(pool, entry, now))
+                while pool.waiting and not capacity.has_slot() and capacity.has_headroom():
+                    entry = self._choose_headroom(pool)
+                    if entry is None:
+                        break
+                    admitted.append(self._admit(pool, entry, now))
+            progressed = len(admitted) > before and len(self._pools) > 1
         return admitted
 
     def _choose(self, pool: _Pool) -> _Entry | None:
@@ -553,6 +638,57 @@ class Scheduler:
             return self._tenants[chosen].queues[pool.name].head()
         return None
 
+    def _choose_headroom(self, pool: _Pool) -> _Entry | None:
+        """Above the soft limit, up to the hard one: the next request of a tenant below its
+        fair share of the pool, in tier order, then fair-share order. A hold keeps lower
+        tiers and the held tier's other tenants out; no bypass is counted here."""
+        capacity = pool.capacity
+        held = pool.held
+        below = self._light_tenants(pool)
+        if not below:
+            return None
+        for band in pool.bands:
+            if held is not None and band.rank > held[0]:
+                return None
+            candidates: list[tuple[str, float]] = []
+            for name in band.members:
+                if name not in below or (
+                    held is not None and band.rank == held[0] and name != held[1]
+                ):
+                    continue
+                head = self._tenants[name].queues[pool.name].head()
+                if capacity.fits_headroom(head.ticket.budget):
+                    candidates.append((name, self._fair_cost(head.ticket)))
+            if candidates:
+                chosen = candidates[0][0] if len(candidates) == 1 else band.fair.pick(candidates)
+                return self._tenants[chosen].queues[pool.name].head()
+        return None
+
+    def _light_tenants(self, pool: _Pool) -> set[str]:
+        """Queued tenants of the pool whose whole demand (admitted plus queued token budgets)
+        is within their weighted share of the pool's admitted work: the tenants a max-min fair
+        allocation serves in full. Shares are over the tenants active in the pool (queued or
+        admitted), all tiers together. A backlogged heavy tenant is never light."""
+        weights: dict[str, float] = {}
+        for name in (*pool.waiting, *pool.users):
+            spec = self._policy.tenant(name)
+            if spec is not None:
+                weights[name] = spec.weight
+        total = sum(weights.values())
+        if total <= 0:
+            return set()
+        work = pool.capacity.inflight_tokens
+        users = pool.users
+        light: set[str] = set()
+        for name in pool.waiting:
+            weight = weights.get(name)
+            if weight is None:
+                continue
+            demand = users.get(name, _NONE)[1] + self._tenants[name].queues[pool.name].tokens
+            if demand <= work * weight / total:
+                light.add(name)
+        return light
+
     def _admit(self, pool: _Pool, entry: _Entry, now: float) -> Admission:
         ticket = entry.ticket
         state = self._tenants[ticket.tenant]
@@ -567,6 +703,9 @@ class Scheduler:
             self._with_deadline -= 1
         budget = ticket.budget
         pool.capacity.acquire(budget)
+        used = pool.users.setdefault(state.name, [0, 0])
+        used[0] += 1
+        used[1] += budget
         state.inflight += 1
         state.inflight_tokens += budget
         cost = self._fair_cost(ticket)
@@ -583,7 +722,7 @@ class Scheduler:
             expires_at=now + self._policy.source.gateway.lease_timeout,
         )
         reserved = ticket.max_output_tokens if self._reserve_output else 0
-        self._leases[lease.lease_id] = _LeaseState(lease, ticket, reserved, cost)
+        self._leases[lease.lease_id] = _LeaseState(lease, ticket, reserved, cost, entry=entry)
         heappush(self._lease_expiries, (lease.expires_at, lease.lease_id))
         self._compact_timers()
         state.dispatches.record(now)
@@ -594,6 +733,93 @@ class Scheduler:
         else:
             self._sync_all(state)
         return Admission(ticket, lease, now - entry.enqueued_at, entry.headers)
+
+    # --- shared-state hooks ---------------------------------------------------------------------
+
+    def requeue(self, lease_id: int, *, park: bool = False) -> bool:
+        """Undo an admission that was only tentative (a global gate refused it).
+
+        The request goes back to its tenant's queue with its original order key (so it keeps
+        its place and its queue-wait expiry), the pool capacity and tenant concurrency it took
+        are freed, and its fair-share charge is reversed. It does not count as a completion.
+        With `park`, the tenant is parked in that pool (see `park`). False if the lease is
+        unknown or did not come from the queue.
+        """
+        held = self._leases.get(lease_id)
+        if held is None or held.entry is None:
+            return False
+        pool = self._pools.get(held.lease.pool)
+        if pool is None or pool.retired or self._policy.tenant(held.ticket.tenant) is None:
+            return False  # nowhere to go back to: the caller releases it instead
+        del self._leases[lease_id]
+        entry, ticket, lease = held.entry, held.ticket, held.lease
+        state = self._tenants[ticket.tenant]
+        band = self._band_of(ticket.tenant, lease.pool)
+        if band is not None and held.fair_charged:
+            band.fair.charge(ticket.tenant, -held.fair_charged)
+        state.served_requests -= 1
+        state.served_tokens -= lease.budget
+        self._free(held)
+        state = self._tenant(ticket.tenant)
+        queue = state.queues.get(ticket.pool)
+        if queue is None:
+            queue = state.queues[ticket.pool] = _TenantQueue()
+        entry.alive = True
+        queue.push(entry)
+        state.queued += 1
+        state.arrivals.appendleft(entry)
+        self._entries[ticket.request_id] = entry
+        heappush(self._expiries, (entry.expires_at, entry.seq, entry))
+        if ticket.deadline is not None:
+            self._with_deadline += 1
+            heappush(self._deadlines, (ticket.deadline, entry.seq, entry))
+        if park:
+            self._parked.add((ticket.pool, ticket.tenant))
+        self._sync_all(state)
+        return True
+
+    def park(self, pool: str, tenant: str) -> None:
+        """Stop the tenant competing for the pool (it stays queued, its requests still expire)
+        until `unpark`: it waits for something outside this scheduler, e.g. a global limit."""
+        self._parked.add((pool, tenant))
+        state = self._tenants.get(tenant)
+        if state is not None:
+            self._sync(state, pool)
+
+    def unpark(self, pool: str | None = None, tenant: str | None = None) -> int:
+        """Let parked tenants compete again (all of them, or those of a pool and/or a tenant);
+        returns how many were unparked. Call `dispatch()` afterwards."""
+        chosen = [
+            (p, t)
+            for p, t in self._parked
+            if (pool is None or p == pool) and (tenant is None or t == tenant)
+        ]
+        for item in chosen:
+            self._parked.discard(item)
+            state = self._tenants.get(item[1])
+            if state is not None:
+                self._sync(state, item[0])
+        return len(chosen)
+
+    def parked(self) -> set[tuple[str, str]]:
+        """(pool, tenant) pairs parked now."""
+        return set(self._parked)
+
+    def backlogged(self) -> list[tuple[str, int, str]]:
+        """(pool, tier rank, tenant) for every tenant competing for a pool now: it has queued
+        requests there, is below its concurrency limit and is not parked."""
+        return [
+            (pool.name, band.rank, name)
+            for pool in self._pools.values()
+            if not pool.retired
+            for band in pool.bands
+            for name in band.members
+        ]
+
+    def queued_tenants(self, pool: str) -> list[str]:
+        """Tenants with requests queued for the pool (competing, parked or over concurrency)."""
+        state = self._pools.get(pool)
+        return [] if state is None else list(state.waiting)
 
     # --- leaving the queue ----------------------------------------------------------------------
 
@@ -714,6 +940,12 @@ class Scheduler:
         state.inflight_tokens -= lease.budget
         pool = self._pools[lease.pool]
         pool.capacity.release(lease.budget)
+        used = pool.users.get(lease.tenant)
+        if used is not None:
+            used[0] -= 1
+            used[1] -= lease.budget
+            if used[0] <= 0:
+                del pool.users[lease.tenant]
         if pool.retired and pool.capacity.inflight == 0:
             del self._pools[lease.pool]
         if was_blocked:
@@ -946,6 +1178,7 @@ class Scheduler:
             if spec is None and state.inflight == 0 and state.queued == 0:
                 del self._tenants[state.name]
         self._rebuild_timers()
+        self.membership_version += 1
         return out
 
     def _compact_timers(self) -> None:

@@ -1,7 +1,12 @@
 """The live state one service process runs on: policy, estimator, admission, metrics.
 
 Admitted requests are kept in a registry by gateway request id, so the accounting stream
-(observability filter) can find the admission it belongs to and settle it.
+(observability filter) can find the admission it belongs to and settle it. With shared state
+(`state.backend: redis`) the accounting stream may run on another process than the admission
+stream: a request id this process did not admit is then settled through the shared store
+(`AdmissionController.attach_remote`), and the admitting process waits a moment before it
+releases an admission whose stream ended without an accounting stream of its own
+(`AdmissionController.hand_off`).
 """
 
 from __future__ import annotations
@@ -12,12 +17,14 @@ from typing import TYPE_CHECKING, Any
 
 import orjson
 
-from extproc.admission import AdmissionController
+from extproc.admission import RemoteLease
 from extproc.estimation import TokenEstimator
 from extproc.metrics import UNKNOWN_TENANT, Metrics
 from extproc.policy import Policy
-from extproc.scheduler import MonotonicClock, Scheduler
+from extproc.scheduler import MonotonicClock
+from extproc.scheduler.adaptive import EngineCapacities
 from extproc.sse import Usage
+from extproc.state import build_admission
 
 if TYPE_CHECKING:
     from extproc.service.processor import RequestState
@@ -34,9 +41,22 @@ class Gateway:
         self.clock = MonotonicClock()
         self.metrics = metrics or Metrics()
         self.estimator = TokenEstimator(policy.source.estimation)
-        self.scheduler = Scheduler(policy, self.clock)
-        self.admission = AdmissionController(self.scheduler, self.metrics)
+        # Pools with an `adaptive` section get a limit the engine watcher moves.
+        self.capacities = EngineCapacities()
+        self.scheduler, self.admission = build_admission(
+            policy, self.clock, self.metrics, capacity_factory=self.capacities.factory
+        )
         self.registry: dict[str, RequestState] = {}
+        self.remote: dict[str, tuple[RequestState, RemoteLease]] = {}
+        """Accounting streams of requests admitted by another process (shared state only)."""
+
+    async def start(self) -> None:
+        """Connect the admission state store (Redis) and start its background tasks; a no-op
+        for the memory store. Call before serving (otherwise the first request starts them)."""
+        await self.admission.start()
+
+    async def close(self) -> None:
+        await self.admission.close()
 
     def apply_policy(self, policy: Policy) -> int:
         """Hot reload: new requests use `policy`; queued and in-flight ones are kept, except
@@ -44,10 +64,7 @@ class Gateway:
         Returns how many queued requests were answered that way."""
         self.policy = policy
         self.estimator.configure(policy.source.estimation)
-        rejections = self.scheduler.update_policy(policy)
-        self.admission.resolve(rejections)
-        self.admission.pump()
-        return len(rejections)
+        return self.admission.update_policy(policy)
 
     def drain_queued(self, retry_after_s: int = 5) -> int:
         """Graceful drain: answer every still-queued request with 503 + Retry-After."""
@@ -68,28 +85,57 @@ class Gateway:
         state = self.registry.get(request_id)
         if state is not None:
             state.accounting_attached = True
+            return state
+        remote = self.admission.attach_remote(request_id)
+        if remote is None:
+            return None
+        from extproc.service.processor import RequestState
+
+        state = RequestState(request_id=request_id, started=time.monotonic())
+        state.accounting_attached = True
+        self.remote[request_id] = (state, remote)
+        if len(self.remote) % 256 == 0:
+            self._prune_remote()
         return state
+
+    def _remote_of(self, state: RequestState) -> RemoteLease | None:
+        item = self.remote.get(state.request_id)
+        return item[1] if item is not None and item[0] is state else None
 
     def admission_stream_ended(self, state: RequestState) -> None:
         """The admission stream closed. Envoy closes it right after the response headers,
         so unless the accounting stream took over, the request never reached an engine."""
         state.admission_ended_at = time.monotonic()
-        if state.grant is not None and not state.accounting_attached:
-            self._release(state, None, 0)
+        if state.grant is not None and not state.accounting_attached and not state.released:
+            released = self.admission.hand_off(
+                state.grant, lambda: not (state.accounting_attached or state.released)
+            )
+            state.released = released
         if not (state.accounting_attached and not state.settled):
             self.record(state)  # otherwise settle() records, once the tokens are known
 
     def charge_output(self, state: RequestState, tokens: int) -> None:
+        remote = self._remote_of(state)
+        if remote is not None:
+            self.admission.charge_remote(remote, tokens)
+            return
         if state.grant is not None and not state.released:
             state.output_charged += tokens
             self.admission.charge_output(state.grant, tokens)
 
     def observe_first_byte(self, state: RequestState, at: float) -> None:
+        remote = self._remote_of(state)
+        if remote is not None:
+            state.tenant, state.pool = remote.tenant, remote.pool
         if state.tenant is not None and state.pool is not None:
             self.metrics.ttft.labels(state.tenant, state.pool).observe(at - state.started)
 
     def settle(self, state: RequestState, usage: Usage | None, output_seen: int) -> None:
         """The response ended: replace estimates by real usage, count tokens, free capacity."""
+        remote = self._remote_of(state)
+        if remote is not None:
+            self._settle_remote(state, remote, usage, output_seen)
+            return
         self.registry.pop(state.request_id, None)
         if state.settled:
             return
@@ -122,6 +168,32 @@ class Gateway:
             output_tokens=None if input_tokens is None else output_tokens,
         )
 
+    def _settle_remote(
+        self, state: RequestState, remote: RemoteLease, usage: Usage | None, output_seen: int
+    ) -> None:
+        """Settle a request another process admitted: usage to the shared store, tokens to
+        this process's metrics (the admitting process counts the request itself)."""
+        del self.remote[state.request_id]
+        if state.settled:
+            return
+        state.settled = True
+        if usage is not None:
+            input_tokens: int | None = usage.prompt_tokens
+            output_tokens = usage.completion_tokens
+        else:
+            input_tokens, output_tokens = None, output_seen
+        self.admission.settle_remote(remote, input_tokens, output_tokens)
+        if remote.tenant is not None and remote.tenant in self.policy.tenants:
+            if input_tokens is not None:
+                self.metrics.tokens.labels(remote.tenant, "input").inc(input_tokens)
+            self.metrics.tokens.labels(remote.tenant, "output").inc(output_tokens)
+
+    def _prune_remote(self) -> None:
+        cutoff = time.monotonic() - _UNCLAIMED_TTL_S * 10
+        for request_id, (state, _remote) in list(self.remote.items()):
+            if state.started < cutoff:
+                del self.remote[request_id]
+
     def _prune_registry(self) -> None:
         cutoff = time.monotonic() - _UNCLAIMED_TTL_S
         stale = [
@@ -135,8 +207,12 @@ class Gateway:
     # -- observability ---------------------------------------------------------------------
 
     def record(self, state: RequestState) -> None:
-        """Count the request's outcome and write its one log line."""
+        """Count the request's outcome and write its one log line (once per request, even
+        when the accounting stream attaches after the admission stream has ended)."""
         assert state.outcome is not None
+        if state.recorded:
+            return
+        state.recorded = True
         tenant = state.tenant or UNKNOWN_TENANT
         tier = state.tier or UNKNOWN_TENANT
         pool = state.pool or "none"
@@ -164,7 +240,16 @@ class Gateway:
 
     def tenants_view(self) -> dict[str, Any]:
         snapshot = self.scheduler.snapshot()
-        return {"tenants": snapshot["tenants"], "pools": snapshot["pools"]}
+        return {
+            "tenants": snapshot["tenants"],
+            "pools": snapshot["pools"],
+            "state": self.state_view(),
+        }
+
+    def state_view(self) -> dict[str, object]:
+        """The admission state store: backend, and for Redis its mode (shared / local /
+        closed), this process's replica id and its leases."""
+        return self.admission.describe()
 
     def refresh_gauges(self) -> None:
         snapshot = self.scheduler.snapshot()

@@ -37,6 +37,7 @@ from extproc.admin import AdminServer
 from extproc.metrics import Metrics
 from extproc.policy import Policy, PolicyError, compile_policy, parse_policy
 from extproc.reload import PolicyReloader
+from extproc.service.engine_watch import EngineWatcher
 from extproc.service.gateway import Gateway
 from extproc.service.server import start_grpc_server
 
@@ -258,6 +259,7 @@ class Service:
         self.options = options
         self.metrics = metrics or Metrics()
         self.gateway: Gateway | None = None
+        self.engine_watch: EngineWatcher | None = None
         self.server: grpc.aio.Server | None = None
         self.grpc_port = 0
         self.admin_port = 0
@@ -342,6 +344,13 @@ class Service:
         self.reloader.mark_loaded(text)
         self.admin.gateway = gateway
         self.admin.reloader = self.reloader
+        self.engine_watch = EngineWatcher(
+            gateway.capacities,
+            lambda: {name: list(pool.endpoints) for name, pool in gateway.policy.pools.items()},
+            gateway.clock,
+            gateway.admission.pump,
+        )
+        self.engine_watch.start()
         self.server, self.grpc_port = await start_grpc_server(gateway, options.grpc)
         self.admin.serving = True
         self.metrics.ready.set(1)
@@ -419,6 +428,8 @@ class Service:
             log.info("drained", extra={"fields": fields})
 
     async def close(self) -> None:
+        if self.engine_watch is not None:
+            await self.engine_watch.stop()
         if self.reloader is not None:
             await self.reloader.stop()
         if self.server is not None and not self.admin.draining:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import os
+import secrets
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -37,7 +38,8 @@ from extproc.types import (
 )
 
 _ids = itertools.count(1)
-_ID_PREFIX = f"{os.getpid():x}-{int(time.time()):x}"
+# Replicas in containers often all run as pid 1 and start in the same second: add randomness.
+_ID_PREFIX = f"{os.getpid():x}-{int(time.time()):x}-{secrets.token_hex(3)}"
 _HOLD_MARGIN_S = 5.0
 
 

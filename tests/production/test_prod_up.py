@@ -106,5 +106,6 @@ def test_build_stack_orders_the_real_children(tmp_path: Path) -> None:
     order = [c.name for c in stack.stop_order()]
     assert order[0] == "extproc" and order[-1] == "envoy"
     service = stack.children[[c.name for c in stack.children].index("extproc")]
-    assert service.env is not None and service.env["EXTPROC_DRAIN_GRACE"] == "12.0"
+    at = service.command.index("--drain-grace")
+    assert service.command[at + 1] == "12.0"
     assert service.stop_timeout > config.drain_grace

@@ -1,0 +1,56 @@
+"""The local fallback: each process enforces its share of every limit while Redis is away.
+
+With `state.replicas: N` processes expected, a process keeps 1/N of each tenant's
+requests_per_minute, tokens_per_minute and max_concurrency, and 1/N of each pool's
+max_inflight and max_inflight_tokens (rounded up, at least 1; a pool's token room never
+below one request of its largest size, so every routable request can still pass). Queue
+settings (max_queued, max_queue_wait) and everything else are unchanged.
+"""
+
+from __future__ import annotations
+
+import math
+
+from extproc.policy.model import Limits, Pool, Tenant
+from extproc.policy.runtime import Policy, compile_policy
+
+
+def _share(value: int | None, replicas: int) -> int | None:
+    return None if value is None else max(1, math.ceil(value / replicas))
+
+
+def _limits(limits: Limits, replicas: int) -> Limits:
+    return limits.model_copy(
+        update={
+            "requests_per_minute": _share(limits.requests_per_minute, replicas),
+            "tokens_per_minute": _share(limits.tokens_per_minute, replicas),
+            "max_concurrency": _share(limits.max_concurrency, replicas),
+        }
+    )
+
+
+def _pool(pool: Pool, replicas: int) -> Pool:
+    tokens = max(math.ceil(pool.max_inflight_tokens / replicas), pool.max_total_tokens)
+    return pool.model_copy(
+        update={
+            "max_inflight": _share(pool.max_inflight, replicas),
+            "max_inflight_tokens": min(pool.max_inflight_tokens, tokens),
+        }
+    )
+
+
+def _tenant(tenant: Tenant, replicas: int) -> Tenant:
+    return tenant.model_copy(update={"limits": _limits(tenant.limits, replicas)})
+
+
+def local_share(policy: Policy, replicas: int) -> Policy:
+    """The policy one of `replicas` processes enforces on its own."""
+    if replicas <= 1:
+        return policy
+    source = policy.source.model_copy(
+        update={
+            "tenants": {name: _tenant(t, replicas) for name, t in policy.tenants.items()},
+            "pools": {name: _pool(p, replicas) for name, p in policy.pools.items()},
+        }
+    )
+    return compile_policy(source, policy.file)

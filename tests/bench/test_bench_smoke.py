@@ -1,0 +1,86 @@
+"""Smoke runs of the tenant benchmarks (--quick): each drives the real Envoy, the service and
+an emulated engine for a few seconds per arm and must leave well-formed outputs. The figures
+themselves are not checked here (numbers are noisy on shared cores)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import pytest
+
+from extproc.bench import fairness, noisy, tiers
+
+pytestmark = [pytest.mark.smoke, pytest.mark.dataplane]
+
+
+def _run(module: ModuleType, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> Any:
+    parser = argparse.ArgumentParser()
+    module.add_arguments(parser)
+    out = tmp_path / "out"
+    args = parser.parse_args(["--quick", "--out", str(out), "--workdir", str(tmp_path / "w")])
+    assert module.main(args) == 0
+    printed = capsys.readouterr().out
+    data = json.loads((out / "results.json").read_text())
+    return out, data, printed
+
+
+def _png(path: Path) -> None:
+    assert path.is_file() and path.stat().st_size > 1000
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def _ttft_keys(stats: dict[str, Any]) -> None:
+    assert {"count", "censored", "p50_ms", "p99_ms", "max_ms"} <= set(stats)
+
+
+def test_noisy_neighbour_quick(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out, data, printed = _run(noisy, tmp_path, capsys)
+    _png(out / "noisy-neighbour.png")
+    assert data["scenario"] == "noisy-neighbour"
+    arms = data["arms"]
+    assert {"alone-direct", "alone-service", "fifo", "token-bucket", "full"} <= set(arms)
+    assert any(name.startswith("soft-") for name in arms)
+    for result in arms.values():
+        _ttft_keys(result["quiet"])
+        assert {"flooder_tok_s", "quiet_tok_s", "total_tok_s", "timeseries"} <= set(result)
+        assert result["records"]["rows"], "no request was recorded"
+    assert arms["token-bucket"]["flooder_rpm"] >= 1
+    summary = data["summary"]
+    assert set(summary["rows"]) == set(arms)
+    for row in summary["rows"].values():
+        assert {"p50_ratio", "p99_ratio", "throughput_vs_fifo"} <= set(row)
+    assert isinstance(summary["target"]["full_policy_met"], bool)
+    assert "quiet p99" in printed and "target:" in printed
+
+
+def test_token_fairness_quick(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out, data, printed = _run(fairness, tmp_path, capsys)
+    _png(out / "token-fairness.png")
+    assert data["scenario"] == "token-fairness"
+    assert set(data["arms"]) == {"requests", "drr", "vtc"}
+    for result in data["arms"].values():
+        for side in ("delivered", "dispatched"):
+            figures = result[side]
+            assert {"service_per_s", "jain", "max_gap", "gap_over_bound", "curves"} <= set(figures)
+            assert set(figures["curves"]) == {"long", "short"}
+        assert result["vtc_bound"] == 2 * result["largest_request_cost"]
+    assert "VTC bound" in printed
+
+
+def test_tiers_quick(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out, data, printed = _run(tiers, tmp_path, capsys)
+    _png(out / "tiers.png")
+    assert data["scenario"] == "tiers"
+    assert set(data["arms"]) == {"premium-solo", "fifo", "tiers"}
+    together = data["arms"]["tiers"]["tenants"]
+    assert {"acme", "globex", "initech", "hooli"} <= set(together)
+    for tenant in together.values():
+        _ttft_keys(tenant["ttft"])
+        assert "queue_wait_max_ms" in tenant and "service_per_s" in tenant
+    for row in data["summary"].values():
+        assert {"premium_p99_ratio", "standard_jain_per_weight", "longest_wait_ms"} <= set(row)
+    assert "premium p50" in printed

@@ -1,0 +1,94 @@
+"""The engine watcher: parse vLLM metrics pages, poll real (emulated) engines, feed limits."""
+
+from __future__ import annotations
+
+from extproc.engine.server import running_engine
+from extproc.policy import policy_from_text
+from extproc.scheduler import ManualClock, Scheduler
+from extproc.scheduler.adaptive import AdaptiveSettings, EngineCapacities
+from extproc.service.engine_watch import EngineWatcher, parse_engine_metrics, pool_sample
+
+PAGE = """\
+# HELP vllm:num_requests_running Number of requests in model execution batches.
+# TYPE vllm:num_requests_running gauge
+vllm:num_requests_running{engine="0",model_name="m a"} 3.0
+vllm:num_requests_running{engine="1",model_name="m a"} 2.0
+vllm:num_requests_waiting{engine="0",model_name="m a"} 4.0
+vllm:kv_cache_usage_perc{engine="0",model_name="m a"} 0.25
+vllm:kv_cache_usage_perc{engine="1",model_name="m a"} 0.5
+vllm:num_requests_waiting_by_reason{reason="x"} 9.0
+"""
+
+
+def test_parse_sums_requests_and_takes_the_largest_kv_usage() -> None:
+    reading = parse_engine_metrics(PAGE)
+    assert reading is not None
+    assert (reading.waiting, reading.running, reading.kv_usage) == (4.0, 5.0, 0.5)
+    legacy = parse_engine_metrics("vllm:gpu_cache_usage_perc 0.7\nvllm:num_requests_waiting 1")
+    assert legacy is not None and legacy.kv_usage == 0.7 and legacy.waiting == 1.0
+    assert parse_engine_metrics("process_cpu_seconds_total 1.0\n") is None
+
+
+def test_pool_sample_aggregates_engines() -> None:
+    readings = [r for r in (parse_engine_metrics(PAGE), parse_engine_metrics(PAGE)) if r]
+    sample = pool_sample(5.0, readings)
+    assert sample is not None and sample.waiting == 8.0 and sample.engines == 2
+    assert pool_sample(5.0, []) is None
+
+
+async def test_watcher_polls_an_engine_and_raises_the_limit() -> None:
+    async with running_engine(profile="fast") as engine:
+        endpoint = f"127.0.0.1:{engine.port}"
+        policy = policy_from_text(
+            f"""\
+version: 1
+tiers: [gold]
+tenants:
+  t: {{tier: gold}}
+pools:
+  p: {{max_total_tokens: 8192, max_inflight: 32, max_inflight_tokens: 1000000,
+       endpoints: ["{endpoint}"]}}
+"""
+        )
+        settings = AdaptiveSettings(initial_inflight=4, smoothing=1.0, cooldown_s=0.0)
+        capacities = EngineCapacities({"p": settings})
+        clock = ManualClock(0.0)
+        Scheduler(policy, clock, capacity_factory=capacities.factory)
+        capacity = capacities.adaptive["p"]
+        for _ in range(4):
+            capacity.acquire(10)  # the limit binds
+        changes: list[int] = []
+        watcher = EngineWatcher(
+            capacities,
+            lambda: {"p": [endpoint], "static": ["127.0.0.1:1"]},
+            clock,
+            lambda: changes.append(capacity.soft_limit()),
+        )
+        samples = await watcher.poll_once()
+        await watcher.stop()
+        assert samples["p"].waiting == 0 and samples["p"].engines == 1
+        assert changes == [5]
+        assert watcher.failures == 0
+
+
+async def test_watcher_skips_engines_that_do_not_answer() -> None:
+    policy = policy_from_text(
+        """\
+version: 1
+tiers: [gold]
+tenants:
+  t: {tier: gold}
+pools:
+  p: {max_total_tokens: 8192, max_inflight: 32, max_inflight_tokens: 1000000,
+      endpoints: ["127.0.0.1:9"]}
+"""
+    )
+    capacities = EngineCapacities({"p": AdaptiveSettings(initial_inflight=4)})
+    clock = ManualClock(0.0)
+    Scheduler(policy, clock, capacity_factory=capacities.factory)
+    watcher = EngineWatcher(
+        capacities, lambda: {"p": ["127.0.0.1:9"]}, clock, lambda: None, timeout_s=0.5
+    )
+    assert await watcher.poll_once() == {}
+    await watcher.stop()
+    assert watcher.failures == 1 and capacities.adaptive["p"].soft_limit() == 4

@@ -1,0 +1,134 @@
+"""`extproc serve --workers N`: one port for all workers, crashed workers restarted, and the
+memory store refused for N > 1 (it would multiply every limit)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+
+from extproc.service.workers import check_state, worker_address, worker_addresses
+from tests.conftest import TEST_KEYS, free_port, policy_yaml
+from tests.redis.support import (
+    ROOT,
+    Endpoint,
+    RedisServer,
+    admit,
+    chat_body,
+    finish,
+    http_get,
+    wait_for,
+)
+
+
+def worker_pid(request_id: str) -> int:
+    """Request ids start with the hex pid of the process that admitted the request."""
+    return int(request_id.split("-", 1)[0], 16)
+
+
+def test_worker_addresses() -> None:
+    assert worker_address("127.0.0.1:50051", 3, "shared") == "127.0.0.1:50051"
+    assert worker_address("127.0.0.1:50051", 3, "distinct") == "127.0.0.1:50054"
+    assert worker_address("[::1]:9000", 1, "distinct") == "[::1]:9001"
+    assert worker_addresses("127.0.0.1:7000", 3, "distinct") == [
+        "127.0.0.1:7000", "127.0.0.1:7001", "127.0.0.1:7002",
+    ]  # fmt: skip
+    assert worker_addresses("127.0.0.1:7000", 3, "shared") == ["127.0.0.1:7000"]
+
+
+def test_several_workers_need_shared_state(tmp_path: Path) -> None:
+    memory = tmp_path / "memory.yaml"
+    memory.write_text(policy_yaml())
+    problem = check_state(str(memory), 2, allow_unshared=False)
+    assert problem is not None and "redis" in problem
+    assert check_state(str(memory), 2, allow_unshared=True) is None
+    assert check_state(str(memory), 1, allow_unshared=False) is None
+    shared = tmp_path / "shared.yaml"
+    shared.write_text(policy_yaml(extra="state: {backend: redis, replicas: 2}\n"))
+    assert check_state(str(shared), 2, allow_unshared=False) is None
+    refused = subprocess.run(
+        [sys.executable, "-m", "extproc.service.workers", "--workers", "2",
+         "--policy", str(memory), "--grpc", f"127.0.0.1:{free_port()}",
+         "--admin", f"127.0.0.1:{free_port()}"],
+        cwd=ROOT, capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
+    assert refused.returncode == 2 and "--allow-unshared-workers" in refused.stderr
+
+
+@pytest.fixture
+def supervisor(redis_server: RedisServer, tmp_path: Path) -> Iterator[tuple[str, list[int]]]:
+    policy = tmp_path / "policy.yaml"
+    policy.write_text(
+        policy_yaml(extra=f"state: {{backend: redis, url: '{redis_server.url}', replicas: 2}}\n")
+    )
+    address, admin = f"127.0.0.1:{free_port()}", free_port()
+    log = (tmp_path / "supervisor.log").open("wb")
+    process = subprocess.Popen(
+        [sys.executable, "-m", "extproc.service.workers", "--workers", "2",
+         "--policy", str(policy), "--grpc", address, "--admin", f"127.0.0.1:{admin}",
+         "--log-format", "text", "--reload-interval", "0", "--drain-grace", "1"],
+        cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+    )  # fmt: skip
+    log.close()
+    admins = [admin, admin + 1]
+    try:
+        for port in admins:
+            wait_for(
+                lambda p=port: http_get(f"http://127.0.0.1:{p}/readyz")[0] == 200, 60, "workers"
+            )
+        yield address, admins
+        process.send_signal(signal.SIGTERM)
+        code = process.wait(30)
+        log_text = (tmp_path / "supervisor.log").read_text(errors="replace")
+        assert code == 0, f"supervisor exited with {code}:\n{log_text[-3000:]}"
+    except BaseException:
+        print((tmp_path / "supervisor.log").read_text(errors="replace")[-4000:], file=sys.stderr)
+        raise
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+
+
+@pytest.mark.redis
+async def test_workers_share_one_port_and_a_dead_worker_comes_back(
+    supervisor: tuple[str, list[int]],
+) -> None:
+    address, _admins = supervisor
+
+    async def pids_seen(connections: int, tolerate_resets: bool = False) -> set[int]:
+        pids = set()
+        for _ in range(connections):
+            endpoint = Endpoint(address)  # a new connection each: the kernel picks a worker
+            try:
+                try:
+                    outcome = await admit(endpoint, TEST_KEYS["globex"], "globex", chat_body())
+                except grpc.aio.AioRpcError as error:
+                    # a connection queued on the worker that just died is reset; Envoy retries
+                    if tolerate_resets and error.code() == grpc.StatusCode.UNAVAILABLE:
+                        continue
+                    raise
+                assert outcome.admitted, outcome
+                pids.add(worker_pid(outcome.request_id))
+                await finish(outcome, 3, 16)
+            finally:
+                await endpoint.close()
+        return pids
+
+    first = await pids_seen(24)
+    assert len(first) == 2, first  # both workers serve (SO_REUSEPORT spreads connections)
+    victim = min(first)
+    os.kill(victim, signal.SIGKILL)  # a crash: the supervisor must start a new worker
+    deadline = time.monotonic() + 30
+    seen: set[int] = set()
+    while not seen - first:  # the survivor serves meanwhile; then the new one joins
+        assert time.monotonic() < deadline, f"no new worker after the crash: {seen}"
+        seen |= await pids_seen(4, tolerate_resets=True)
+    assert victim not in seen
