@@ -84,3 +84,18 @@ def test_tiers_quick(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None
     for row in data["summary"].values():
         assert {"premium_p99_ratio", "standard_jain_per_weight", "longest_wait_ms"} <= set(row)
     assert "premium p50" in printed
+
+
+def test_overhead_quick(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from extproc.bench import overhead
+
+    out, data, printed = _run(overhead, tmp_path, capsys)
+    _png(out / "overhead.png")
+    arms = {run["arm"] for run in data["runs"]}
+    assert arms == {"straight", "noop", "extproc"}
+    for run in data["runs"]:
+        assert run["ok"] > 0, f"{run['arm']} served no request"
+        assert {"rps", "ttfb_p50_ms", "ttfb_p99_ms", "extproc_cpu_us_per_request"} <= set(run)
+    [figures] = data["summary"].values()
+    assert {"cpu_per_request_us", "cpu_per_chunk_us", "rps_20_tokens"} <= set(figures)
+    assert "CPU/request ours" in printed
