@@ -126,6 +126,7 @@ class AdminServer:
                 "draining": self.draining,
                 "tenants": snapshot.get("tenants", {}),
                 "pools": snapshot.get("pools", {}),
+                "state": gateway.state_view(),
             }
         )
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import orjson
 
@@ -238,23 +238,7 @@ class Gateway:
             }
             request_log.info(orjson.dumps(entry).decode())
 
-    def tenants_view(self) -> dict[str, Any]:
-        snapshot = self.scheduler.snapshot()
-        return {
-            "tenants": snapshot["tenants"],
-            "pools": snapshot["pools"],
-            "state": self.state_view(),
-        }
-
     def state_view(self) -> dict[str, object]:
         """The admission state store: backend, and for Redis its mode (shared / local /
         closed), this process's replica id and its leases."""
         return self.admission.describe()
-
-    def refresh_gauges(self) -> None:
-        snapshot = self.scheduler.snapshot()
-        for name, tenant in snapshot["tenants"].items():
-            self.metrics.queued.labels(name, tenant["tier"]).set(tenant["queued"])
-        for name, pool in snapshot["pools"].items():
-            self.metrics.inflight.labels(name).set(pool["inflight"])
-            self.metrics.inflight_tokens.labels(name).set(pool["inflight_tokens"])
