@@ -155,6 +155,14 @@ async def test_leases_survive_a_redis_restart_that_lost_the_data(
             await await_for(
                 lambda: store.zcard("extproc:pl:short") == 2, 10, "leases registered again"
             )
+            # During the outage each process admits from its local share (on_failure: local);
+            # the claim here is about both processes back on the shared store.
+            for process in (holder, other):
+                await await_for(
+                    lambda p=process: p.tenants()["state"]["mode"] == "shared",
+                    10,
+                    "both processes back on Redis",
+                )
             waiting = asyncio.create_task(
                 admit(second, TEST_KEYS["initech"], "initech", chat_body(), timeout=20)
             )
