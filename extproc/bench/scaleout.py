@@ -6,23 +6,25 @@ the memory store and with the Redis store, side by side in one run.
 
 Each arm starts `extproc serve --workers N --worker-ports distinct` (the supervisor of
 extproc.service.workers; memory arms with --allow-unshared-workers) and, for Redis, a private
-redis-server on a loopback port. Load processes play Envoy's admission filter over gRPC:
-request headers, then the buffered body, read the admission reply (through the hold, if any),
-then close the stream, spread round-robin over the workers' ports. Limits and capacity are
-generous, so every request is admitted: the numbers are the cost of deciding, not of waiting.
-Latency is from sending the request headers to the admission reply. Nothing but loopback.
+redis-server on a loopback port. The load plays Envoy's admission filter over gRPC: one call
+per request carrying the request headers and the buffered body, answered through the admission
+reply, then ended. It is h2load (nghttp2's C load generator, one process per worker port): a
+Python gRPC client costs as much CPU per call as the service, and on 2 cores it would take the
+cores the extra processes need. Limits and capacity are generous, so every request is admitted:
+the numbers are the cost of deciding, not of waiting. Latency is from the call's start to its
+end. CPU per admission is read from /proc for the service and Redis. Nothing but loopback.
 """
 
 from __future__ import annotations
 
 import argparse
-import asyncio
 import contextlib
 import math
-import multiprocessing
 import os
+import resource
 import shutil
 import signal
+import struct
 import subprocess
 import sys
 import tempfile
@@ -55,7 +57,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--light", type=int, default=4, help="streams in flight for the latency run (no queueing)"
     )
-    parser.add_argument("--load-processes", type=int, default=2, help="load generator processes")
     parser.add_argument("--quick", action="store_true", help="short arms (smoke test)")
 
 
@@ -142,9 +143,16 @@ def _redis_ping(port: int) -> bool:
         return False
 
 
+@dataclass(frozen=True)
+class ServiceUnderTest:
+    addresses: list[str]
+    admin_urls: list[str]
+    pid: int
+
+
 @contextlib.contextmanager
-def service(policy: Path, workers: int, store: str, workdir: Path) -> Iterator[list[str]]:
-    """`extproc serve --workers N` with distinct ports; yields the workers' gRPC addresses."""
+def service(policy: Path, workers: int, store: str, workdir: Path) -> Iterator[ServiceUnderTest]:
+    """`extproc serve --workers N` with distinct ports (worker i on base + i)."""
     grpc_base, admin_base = _free_run(workers), _free_run(workers)
     command = [
         sys.executable, "-m", "extproc.service.workers", "--workers", str(workers),
@@ -161,10 +169,12 @@ def service(policy: Path, workers: int, store: str, workdir: Path) -> Iterator[l
     )
     log.close()
     try:
-        for i in range(workers):
-            url = f"http://127.0.0.1:{admin_base + i}/readyz"
-            _wait(lambda u=url: _http_ok(u), f"worker {i}", process)
-        yield [f"127.0.0.1:{grpc_base + i}" for i in range(workers)]
+        admin_urls = [f"http://127.0.0.1:{admin_base + i}" for i in range(workers)]
+        for i, url in enumerate(admin_urls):
+            _wait(lambda u=url: _http_ok(f"{u}/readyz"), f"worker {i}", process)
+        yield ServiceUnderTest(
+            [f"127.0.0.1:{grpc_base + i}" for i in range(workers)], admin_urls, process.pid
+        )
     finally:
         process.send_signal(signal.SIGTERM)
         try:
@@ -196,95 +206,38 @@ def _port_free(port: int) -> bool:
 
 # --- the load: play Envoy's admission filter ------------------------------------------------------
 
-
-@dataclass(frozen=True)
-class LoadPlan:
-    addresses: list[str]
-    streams: int
-    warmup_s: float
-    duration_s: float
-    offset: int
+_PROCESS_PATH = "/envoy.service.ext_proc.v3.ExternalProcessor/Process"
 
 
-def _load_main(plan: LoadPlan, results: Any) -> None:
-    """One load process: `streams` closed loops; puts (admitted, errors, latencies) on done."""
-    try:
-        import uvloop
+def admission_payload(tenant: str) -> bytes:
+    """The gRPC request body of one admission: request headers, then the buffered body.
 
-        runner: Any = uvloop.run
-    except ImportError:  # pragma: no cover - uvloop is a dependency
-        runner = asyncio.run
-    results.put(runner(_load(plan)))
-
-
-async def _load(plan: LoadPlan) -> tuple[int, int, list[float]]:
-    import grpc
+    Both messages go out at once and the stream is half-closed; the service answers each in turn
+    (through the hold, if any), then ends the call. Framing: 1 flag byte, 4-byte length, message.
+    """
     from envoy.config.core.v3.base_pb2 import HeaderMap, HeaderValue
-    from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ext_proc_grpc
     from envoy.service.ext_proc.v3.external_processor_pb2 import (
         HttpBody,
         HttpHeaders,
         ProcessingRequest,
     )
 
-    channels = [
-        grpc.aio.insecure_channel(a, options=[("grpc.use_local_subchannel_pool", 1)])
-        for a in plan.addresses
-    ]
-    stubs = [ext_proc_grpc.ExternalProcessorStub(c) for c in channels]
     body = orjson.dumps(
         {"model": "m", "messages": [{"role": "user", "content": "Say hello. " * 20}],
          "max_tokens": 64}
     )  # fmt: skip
-    bodies = ProcessingRequest(request_body=HttpBody(body=body, end_of_stream=True))
-    headers = [
-        ProcessingRequest(
-            request_headers=HttpHeaders(
-                headers=HeaderMap(
-                    headers=[
-                        HeaderValue(key=k, raw_value=v.encode())
-                        for k, v in _request_headers(tenant, len(body))
-                    ]
-                )
-            )
-        )
-        for tenant in TENANTS
+    header_values = [
+        HeaderValue(key=k, raw_value=v.encode()) for k, v in _request_headers(tenant, len(body))
     ]
-    began = time.monotonic()
-    measure_from = began + plan.warmup_s
-    stop_at = measure_from + plan.duration_s
-    latencies: list[float] = []
-    counts = [0, 0]
-
-    async def loop(index: int) -> None:
-        n = index
-        while time.monotonic() < stop_at:
-            stub = stubs[(plan.offset + n) % len(stubs)]
-            n += 1
-            sent = time.monotonic()
-            call = stub.Process()
-            try:
-                await call.write(headers[n % len(headers)])
-                await call.read()
-                await call.write(bodies)
-                reply = await call.read()
-                if reply.HasField("override_message_timeout"):
-                    reply = await call.read()
-                done = time.monotonic()
-                ok = reply.HasField("request_body")
-            except grpc.aio.AioRpcError:
-                ok, done = False, time.monotonic()
-            finally:
-                call.cancel()
-            if sent >= measure_from and done <= stop_at:
-                counts[0 if ok else 1] += 1
-                if ok:
-                    latencies.append(done - sent)
-
-    await asyncio.gather(*(loop(i) for i in range(plan.streams)))
-    for channel in channels:
-        await channel.close()
-    return counts[0], counts[1], latencies
+    messages = (
+        ProcessingRequest(request_headers=HttpHeaders(headers=HeaderMap(headers=header_values))),
+        ProcessingRequest(request_body=HttpBody(body=body, end_of_stream=True)),
+    )
+    framed = b""
+    for message in messages:
+        data = message.SerializeToString()
+        framed += b"\0" + struct.pack(">I", len(data)) + data
+    return framed
 
 
 def _request_headers(tenant: str, length: int) -> list[tuple[str, str]]:
@@ -295,38 +248,113 @@ def _request_headers(tenant: str, length: int) -> list[tuple[str, str]]:
     ]  # fmt: skip
 
 
+def h2load_binary() -> str:
+    binary = shutil.which("h2load")
+    if binary is None:
+        raise RuntimeError("h2load not found (apt-get install nghttp2-client)")
+    return binary
+
+
 def run_load(
-    addresses: list[str], concurrency: int, processes: int, warmup: float, duration: float
+    addresses: list[str],
+    admin_urls: list[str],
+    concurrency: int,
+    warmup: float,
+    duration: float,
+    workdir: Path,
 ) -> dict[str, Any]:
-    context = multiprocessing.get_context("spawn")
-    results = context.Queue()
-    per = max(1, concurrency // processes)
-    workers = [
-        context.Process(
-            target=_load_main,
-            args=(LoadPlan(addresses, per, warmup, duration, offset=i), results),
-        )
-        for i in range(processes)
-    ]
-    for worker in workers:
-        worker.start()
-    admitted = errors = 0
+    """One h2load (C, one thread) per worker address, `concurrency` streams in flight overall.
+
+    h2load's per-request log gives the latencies; gRPC errors travel in trailers behind HTTP
+    200, so successes are checked against the workers' own admitted counters.
+    """
+    per_address = max(1, math.ceil(concurrency / len(addresses)))
+    connections = min(4, per_address)
+    streams = max(1, per_address // connections)
+    admitted_before = sum(_admitted(url) for url in admin_urls)
+    load_cpu_before = _children_cpu_seconds()
+    runs: list[tuple[subprocess.Popen[bytes], Path]] = []
+    for index, address in enumerate(addresses):
+        payload = workdir / f"payload-{index}.bin"
+        payload.write_bytes(admission_payload(TENANTS[index % len(TENANTS)]))
+        log = workdir / f"h2load-{index}.tsv"
+        log.unlink(missing_ok=True)
+        command = [
+            h2load_binary(), "-t", "1", "-c", str(connections), "-m", str(streams),
+            "-D", f"{round(duration * 1000)}ms", "--warm-up-time", f"{round(warmup * 1000)}ms",
+            "-d", str(payload),
+            "-H", "content-type: application/grpc", "-H", "te: trailers",
+            "--log-file", str(log), f"http://{address}{_PROCESS_PATH}",
+        ]  # fmt: skip
+        process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        runs.append((process, log))
+    for process, _ in runs:
+        _wait_child(process, warmup + duration + 60)
+    load_cpu = _children_cpu_seconds() - load_cpu_before
     latencies: list[float] = []
-    for _ in workers:
-        ok, failed, samples = results.get(timeout=warmup + duration + 120)
-        admitted += ok
-        errors += failed
-        latencies += samples
-    for worker in workers:
-        worker.join(30)
+    failed = 0
+    for _, log in runs:
+        for line in log.read_text().splitlines():
+            fields = line.split("\t")
+            if len(fields) < 3:
+                continue
+            if fields[1] == "200":
+                latencies.append(int(fields[2]) / 1e6)
+            elif fields[1] != "0":  # 0: still in flight when the run stopped
+                failed += 1
+    admitted = sum(_admitted(url) for url in admin_urls) - admitted_before
+    # Warm-up requests are admitted but not logged: a shortfall means gRPC-level failures.
+    errors = failed + max(0, len(latencies) - admitted)
     return {
-        "admitted": admitted,
+        "admitted": len(latencies),
         "errors": errors,
-        "admissions_per_s": admitted / duration,
+        "admissions_per_s": len(latencies) / duration,
+        "load_cpu_s": load_cpu,
         "latency_p50_ms": percentile(latencies, 50) * 1000,
         "latency_p95_ms": percentile(latencies, 95) * 1000,
         "latency_p99_ms": percentile(latencies, 99) * 1000,
     }
+
+
+def _wait_child(process: subprocess.Popen[bytes], timeout: float) -> None:
+    try:
+        process.wait(timeout)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
+        raise RuntimeError("h2load did not finish in time") from None
+
+
+def _children_cpu_seconds() -> float:
+    """CPU of our reaped children (the h2load runs: a reaped child has left /proc)."""
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
+def tree_cpu_seconds(pid: int) -> float:
+    """CPU of a process and all its descendants (the supervisor and its workers)."""
+    total = 0.0
+    pending = [pid]
+    while pending:
+        current = pending.pop()
+        with contextlib.suppress(OSError):
+            total += cpu_seconds(current)
+            for task in Path(f"/proc/{current}/task").iterdir():
+                children = (task / "children").read_text().split()
+                pending.extend(int(child) for child in children)
+    return total
+
+
+def _admitted(admin_url: str) -> int:
+    import urllib.request
+
+    with urllib.request.urlopen(f"{admin_url}/metrics", timeout=5.0) as response:
+        text = response.read().decode()
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith("extproc_requests_total{") and 'outcome="admitted"' in line:
+            total += float(line.rsplit(" ", 1)[1])
+    return int(total)
 
 
 # --- the run --------------------------------------------------------------------------------------
@@ -342,18 +370,27 @@ def run_arm(
     policy = workdir / f"policy-{store}-{workers}.yaml"
     shared = redis if store == "redis" else None
     policy.write_text(bench_policy(None if shared is None else shared.url, workers))
-    with service(policy, workers, store, workdir) as addresses:
+    with service(policy, workers, store, workdir) as served:
         redis_cpu = cpu_seconds(shared.pid) if shared is not None else 0.0
+        service_cpu = tree_cpu_seconds(served.pid)
         heavy = run_load(
-            addresses, args.concurrency, args.load_processes, args.warmup, args.duration
+            served.addresses, served.admin_urls, args.concurrency, args.warmup, args.duration,
+            workdir,
+        )  # fmt: skip
+        # CPU per admission over the whole run, warm-up included, divided by the admissions
+        # of the measured window scaled to the whole run: both counted the same way.
+        scale = (args.duration + args.warmup) * max(1.0, heavy["admissions_per_s"])
+        heavy["service_cpu_us_per_admission"] = (
+            (tree_cpu_seconds(served.pid) - service_cpu) / scale * 1e6
         )
+        heavy["load_cpu_us_per_admission"] = heavy.pop("load_cpu_s") / scale * 1e6
         if shared is not None:
-            # Redis CPU per admission (whole run, warm-up included: counted over all requests
-            # the load generator completed, so a slight overestimate).
-            used = cpu_seconds(shared.pid) - redis_cpu
-            total = heavy["admissions_per_s"] * (args.duration + args.warmup)
-            heavy["redis_cpu_us_per_admission"] = used / max(1.0, total) * 1e6
-        light = run_load(addresses, args.light, 1, args.warmup / 2, args.duration / 2)
+            redis_used = cpu_seconds(shared.pid) - redis_cpu
+            heavy["redis_cpu_us_per_admission"] = redis_used / scale * 1e6
+        light = run_load(
+            served.addresses, served.admin_urls, args.light, args.warmup / 2, args.duration / 2,
+            workdir,
+        )  # fmt: skip
     result: dict[str, Any] = {"store": store, "processes": workers}
     result.update({k: v for k, v in heavy.items() if not k.startswith("latency")})
     result.update({f"saturated_{k}": v for k, v in heavy.items() if k.startswith("latency")})
@@ -365,7 +402,7 @@ def run_arm(
 def table(results: list[dict[str, Any]]) -> str:
     header = (
         f"{'store':<8}{'procs':>6}{'adm/s':>10}{'p50 ms':>9}{'p95 ms':>9}{'p99 ms':>9}"
-        f"{'sat p50':>9}{'sat p99':>9}{'redis us':>10}"
+        f"{'sat p50':>9}{'sat p99':>9}{'svc us':>8}{'load us':>8}{'redis us':>9}"
     )
     lines = [header, "-" * len(header)]
     for r in results:
@@ -376,11 +413,13 @@ def table(results: list[dict[str, Any]]) -> str:
             f"{r['store']:<8}{r['processes']:>6}{r['admissions_per_s']:>10.0f}"
             f"{r['latency_p50_ms']:>9.2f}{r['latency_p95_ms']:>9.2f}{r['latency_p99_ms']:>9.2f}"
             f"{r['saturated_latency_p50_ms']:>9.1f}{r['saturated_latency_p99_ms']:>9.1f}"
-            f"{r.get('redis_cpu_us_per_admission', math.nan):>10.0f}"
+            f"{r['service_cpu_us_per_admission']:>8.0f}{r['load_cpu_us_per_admission']:>8.0f}"
+            f"{r.get('redis_cpu_us_per_admission', math.nan):>9.0f}"
         )
     lines.append(
         "adm/s: saturated (closed loop at --concurrency); p50/p95/p99: added latency at --light "
-        "streams; sat: latency at saturation (mostly queueing); redis us: Redis CPU per admission"
+        "streams; sat: latency at saturation (mostly queueing); svc / load / redis us: CPU per "
+        "admission of the service processes, the load generator and Redis"
     )
     return "\n".join(lines)
 
@@ -449,7 +488,7 @@ def main(args: argparse.Namespace) -> int:
         "warmup_s": args.warmup,
         "concurrency": args.concurrency,
         "light_concurrency": args.light,
-        "load_processes": args.load_processes,
+        "load_generator": "h2load (one single-threaded process per worker address)",
     }
     (out / "scaleout.json").write_bytes(
         orjson.dumps({"meta": meta, "results": results}, option=orjson.OPT_INDENT_2)
