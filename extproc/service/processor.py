@@ -12,7 +12,6 @@ from dataclasses import dataclass, field
 
 import orjson
 from envoy.service.ext_proc.v3.external_processor_pb2 import (
-    HeaderMutation,
     HttpBody,
     HttpHeaders,
     ProcessingResponse,
@@ -100,15 +99,24 @@ class AdmissionProcessor:
         self.state.error = error
         return responses.immediate(http_answer(error))
 
-    def _upstream_headers(self) -> HeaderMutation:
+    def _upstream_headers(self) -> tuple[list[tuple[str, str]], list[str]]:
+        """The headers the gateway sets upstream, and the client's copies of owned headers
+        it does not set (removed)."""
         state = self.state
         assert state.tenant is not None and state.tier is not None
-        values = {TENANT_HEADER: state.tenant, TIER_HEADER: state.tier}
-        values[GATEWAY_REQUEST_ID_HEADER] = state.request_id
+        values = [
+            (TENANT_HEADER, state.tenant),
+            (TIER_HEADER, state.tier),
+            (GATEWAY_REQUEST_ID_HEADER, state.request_id),
+        ]
         if state.pool is not None:
-            values[POOL_HEADER] = state.pool
-        removed = [h for h in OWNED_HEADERS if h in state.headers and h not in values]
-        return responses.header_mutation(values, removed)
+            values.append((POOL_HEADER, state.pool))
+        headers = state.headers
+        removed = [h for h in OWNED_HEADERS if h in headers]
+        if removed:
+            set_names = {name for name, _ in values}
+            removed = [h for h in removed if h not in set_names]
+        return values, removed
 
     def on_request_headers(self, message: HttpHeaders) -> ProcessingResponse:
         state = self.state
@@ -129,7 +137,7 @@ class AdmissionProcessor:
             # No body (GET /v1/models, /health): identified, then passed to the default pool.
             state.outcome = Outcome.ADMITTED
             return responses.continue_request_headers(
-                self._upstream_headers(), clear_route_cache=True
+                *self._upstream_headers(), clear_route_cache=True
             )
         return responses.continue_request_headers()
 
@@ -141,7 +149,7 @@ class AdmissionProcessor:
         path = inference_path(state.path)
         if path is None or state.method != "POST":
             state.outcome = Outcome.ADMITTED
-            yield responses.continue_request_body(self._upstream_headers(), clear_route_cache=True)
+            yield responses.continue_request_body(*self._upstream_headers(), clear_route_cache=True)
             return
         try:
             limit = self.policy.source.gateway.max_body_bytes
@@ -186,15 +194,15 @@ class AdmissionProcessor:
         OpenAI streaming format and OpenAI SDKs accept it. Counting deltas instead would miss
         the prompt tokens and merged or withheld tokens.
         """
-        mutation = self._upstream_headers()
+        values, removed = self._upstream_headers()
         if not request.stream or request.include_usage:
-            return responses.continue_request_body(mutation, clear_route_cache=True)
+            return responses.continue_request_body(values, removed, clear_route_cache=True)
         options = request.body.get("stream_options") or {}
         request.body["stream_options"] = {**options, "include_usage": True}
         body = orjson.dumps(request.body)
         # Envoy answers 500 if a body mutation leaves a stale content-length.
-        mutation.set_headers.append(responses.header_option("content-length", str(len(body))))
-        return responses.continue_request_body(mutation, clear_route_cache=True, body=body)
+        values.append(("content-length", str(len(body))))
+        return responses.continue_request_body(values, removed, clear_route_cache=True, body=body)
 
     def _settle_turn(self, turn: asyncio.Future[Grant]) -> None:
         """The wait ended without a grant in hand: the client left (Envoy cancelled us),
@@ -232,9 +240,11 @@ class AdmissionProcessor:
         grant = self.state.grant
         if grant is None:
             return responses.continue_response_headers()
-        values = dict(grant.ratelimit_headers)
-        values["x-gateway-queue-ms"] = f"{grant.wait_s * 1000.0:.1f}"
-        return responses.continue_response_headers(responses.header_mutation(values))
+        values = [
+            *grant.ratelimit_headers.items(),
+            ("x-gateway-queue-ms", f"{grant.wait_s * 1000.0:.1f}"),
+        ]
+        return responses.continue_response_headers(values)
 
     def finish(self) -> None:
         """Runs when the stream ends, however it ends: release, count, log."""

@@ -4,13 +4,10 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 
-from envoy.config.core.v3.base_pb2 import HeaderValue, HeaderValueOption
+from envoy.config.core.v3.base_pb2 import HeaderValueOption
 from envoy.service.ext_proc.v3.external_processor_pb2 import (
-    BodyMutation,
-    BodyResponse,
     CommonResponse,
     HeaderMutation,
-    HeadersResponse,
     ImmediateResponse,
     ProcessingResponse,
 )
@@ -20,58 +17,70 @@ from google.protobuf.duration_pb2 import Duration
 from extproc.errors import HttpAnswer
 
 _OVERWRITE = HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD
+Headers = Mapping[str, str] | Iterable[tuple[str, str]]
+
+# Messages are filled in place (nested fields set on the reply itself): building nested
+# messages with keyword arguments and copying them in costs about three times as much, and
+# this runs for every request (`extproc bench overhead`).
 
 
-def header_option(key: str, value: str) -> HeaderValueOption:
-    return HeaderValueOption(
-        header=HeaderValue(key=key, raw_value=value.encode()), append_action=_OVERWRITE
-    )
-
-
-def header_mutation(
-    set_headers: Mapping[str, str] | Iterable[tuple[str, str]] = (),
-    remove: Iterable[str] = (),
-) -> HeaderMutation:
+def fill_header_mutation(
+    mutation: HeaderMutation, set_headers: Headers = (), remove: Iterable[str] = ()
+) -> None:
     items = set_headers.items() if isinstance(set_headers, Mapping) else set_headers
-    return HeaderMutation(
-        set_headers=[header_option(key, value) for key, value in items],
-        remove_headers=list(remove),
-    )
+    options = mutation.set_headers
+    for key, value in items:
+        option = options.add(append_action=_OVERWRITE)
+        option.header.key = key
+        option.header.raw_value = value.encode()
+    mutation.remove_headers.extend(remove)
 
 
-def _common(
-    mutation: HeaderMutation | None, clear_route_cache: bool, body: bytes | None
-) -> CommonResponse:
-    common = CommonResponse(clear_route_cache=clear_route_cache)
-    if mutation is not None:
-        common.header_mutation.CopyFrom(mutation)
+def header_mutation(set_headers: Headers = (), remove: Iterable[str] = ()) -> HeaderMutation:
+    mutation = HeaderMutation()
+    fill_header_mutation(mutation, set_headers, remove)
+    return mutation
+
+
+def _fill_common(
+    common: CommonResponse,
+    set_headers: Headers,
+    remove: Iterable[str],
+    clear_route_cache: bool,
+    body: bytes | None,
+) -> None:
+    common.SetInParent()  # an empty reply must still say which phase it answers
+    if clear_route_cache:
+        common.clear_route_cache = True
+    if set_headers or remove:
+        fill_header_mutation(common.header_mutation, set_headers, remove)
     if body is not None:
-        common.body_mutation.CopyFrom(BodyMutation(body=body))
-    return common
+        common.body_mutation.body = body
 
 
 def continue_request_headers(
-    mutation: HeaderMutation | None = None, clear_route_cache: bool = False
+    set_headers: Headers = (), remove: Iterable[str] = (), clear_route_cache: bool = False
 ) -> ProcessingResponse:
-    return ProcessingResponse(
-        request_headers=HeadersResponse(response=_common(mutation, clear_route_cache, None))
-    )
+    reply = ProcessingResponse()
+    _fill_common(reply.request_headers.response, set_headers, remove, clear_route_cache, None)
+    return reply
 
 
 def continue_request_body(
-    mutation: HeaderMutation | None = None,
+    set_headers: Headers = (),
+    remove: Iterable[str] = (),
     clear_route_cache: bool = False,
     body: bytes | None = None,
 ) -> ProcessingResponse:
-    return ProcessingResponse(
-        request_body=BodyResponse(response=_common(mutation, clear_route_cache, body))
-    )
+    reply = ProcessingResponse()
+    _fill_common(reply.request_body.response, set_headers, remove, clear_route_cache, body)
+    return reply
 
 
-def continue_response_headers(mutation: HeaderMutation | None = None) -> ProcessingResponse:
-    return ProcessingResponse(
-        response_headers=HeadersResponse(response=_common(mutation, False, None))
-    )
+def continue_response_headers(set_headers: Headers = ()) -> ProcessingResponse:
+    reply = ProcessingResponse()
+    _fill_common(reply.response_headers.response, set_headers, (), False, None)
+    return reply
 
 
 def immediate(answer: HttpAnswer) -> ProcessingResponse:
