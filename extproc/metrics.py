@@ -9,17 +9,37 @@ from __future__ import annotations
 
 import time
 from collections.abc import Collection, Mapping
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 UNKNOWN_TENANT = "unknown"
+ChildT = TypeVar("ChildT", Counter, Histogram)
 
 _LATENCY_BUCKETS = (
     0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
 )  # fmt: skip
 
 RELOAD_RESULTS = ("success", "error", "unchanged")
+
+
+class Children(Generic[ChildT]):
+    """The labelled children of a metric, looked up once per label set.
+
+    `Metric.labels()` validates and locks on every call; on the request path a dict hit is a
+    fraction of that. Only for metrics whose children are never removed (label values come
+    from the policy, so the dict stays small).
+    """
+
+    def __init__(self, metric: ChildT) -> None:
+        self._metric: ChildT = metric
+        self._children: dict[tuple[str, ...], ChildT] = {}
+
+    def __call__(self, *values: str) -> ChildT:
+        child = self._children.get(values)
+        if child is None:
+            child = self._children[values] = self._metric.labels(*values)
+        return child
 
 
 def tenant_label(name: str | None, known: Collection[str]) -> str:
@@ -55,6 +75,11 @@ class Metrics:
             ["mode"], buckets=(0.5, 0.7, 0.8, 0.9, 0.95, 1.0, 1.05, 1.1, 1.25, 1.5, 2.0),
             registry=r,
         )  # fmt: skip
+        self.requests_of = Children(self.requests)
+        self.queue_wait_of = Children(self.queue_wait)
+        self.tokens_of = Children(self.tokens)
+        self.ttft_of = Children(self.ttft)
+        self.estimation_error_of = Children(self.estimation_error)
         # -- policy and lifecycle ---------------------------------------------------------------
         self.policy_reloads = Counter(
             "extproc_policy_reloads", "Policy reload attempts", ["result"], registry=r

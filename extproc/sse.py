@@ -230,6 +230,18 @@ class SseUsageParser:
         """Consume the next body chunk; return the events it completed."""
         if not chunk:
             return []
+        if (
+            chunk[:6] == b"data: "
+            and chunk.find(b"\n") == len(chunk) - 2
+            and chunk[-1:] == b"\n"
+            and not (self._buffer or self._data or self._skip_lf or self._event_type)
+            and b"\r" not in chunk
+        ):
+            # The shape engines send: one whole single-line event per chunk. Same result as
+            # the line loop below, without splitting.
+            self._data.append(chunk[6:-2])
+            event = self._dispatch()
+            return [] if event is None else [event]
         if self._skip_lf:
             self._skip_lf = False
             if chunk[:1] == b"\n":

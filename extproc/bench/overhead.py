@@ -99,11 +99,22 @@ def run(out: Path, quick: bool, workdir: Path) -> dict[str, Any]:
                     )
                     runs.append(measure(stack, tokens, concurrency, seconds))
     report = compare(runs, levels)
+    from extproc.bench import inprocess  # it imports this module's policy
+
+    print("[overhead] in-process cost of our handlers (no gRPC)", file=sys.stderr, flush=True)
+    chunks = round(_find(runs, "extproc", 20, levels[0])["chunks_per_request"])
+    in_process = asyncio.run(inprocess.measure(2_000 if quick else 10_000, chunks))
     out.mkdir(parents=True, exist_ok=True)
-    (out / "results.json").write_text(json.dumps({"runs": runs, "summary": report}, indent=2))
+    results = {"runs": runs, "summary": report, "in_process_us": in_process}
+    (out / "results.json").write_text(json.dumps(results, indent=2))
     plot(runs, out / "overhead.png")
     print_table(runs, report)
-    return {"runs": runs, "summary": report}
+    print(
+        f"\nin-process (our handlers alone, {chunks} chunks, hot loop: extproc.bench.inprocess):"
+    )
+    for phase, micros in in_process.items():
+        print(f"  {phase:28s} {micros:7.1f} us")
+    return results
 
 
 def _find(runs: list[dict[str, Any]], arm: str, tokens: int, level: int) -> dict[str, Any]:

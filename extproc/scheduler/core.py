@@ -292,6 +292,9 @@ class Scheduler:
         self._next_shed_scan = -math.inf
         self._tenants: dict[str, _Tenant] = {}
         self._entries: dict[str, _Entry] = {}
+        self._bucket_cache: dict[
+            str, tuple[int | None, int | None, tuple[Bucket | None, Bucket | None]]
+        ] = {}
         self._with_deadline = 0
         self._leases: dict[int, _LeaseState] = {}
         self._seq = 0
@@ -334,10 +337,15 @@ class Scheduler:
         limits = spec.limits
         rpm = limits.requests_per_minute
         tpm = limits.tokens_per_minute
-        return (
+        cached = self._bucket_cache.get(name)
+        if cached is not None and cached[0] == rpm and cached[1] == tpm:
+            return cached[2]
+        buckets = (
             None if rpm is None else Bucket(f"{name}:requests", float(rpm), rpm / 60.0),
             None if tpm is None else Bucket(f"{name}:tokens", float(tpm), tpm / 60.0),
         )
+        self._bucket_cache[name] = (rpm, tpm, buckets)
+        return buckets
 
     def _rank(self, spec: Tenant) -> int:
         return self._policy.tier_rank[spec.tier]
@@ -575,6 +583,8 @@ class Scheduler:
 
     def dispatch(self) -> list[Admission]:
         """Admit every request that may go now, in order."""
+        if not self._entries:
+            return []  # nothing queued anywhere
         now = self.clock.now()
         admitted: list[Admission] = []
         # An admission in one pool can change another pool's options (a tenant reaching its
@@ -584,7 +594,7 @@ class Scheduler:
         while progressed:
             before = len(admitted)
             for pool in self._pools.values():
-                if pool.retired:
+                if pool.retired or not pool.waiting:
                     continue
                 capacity = pool.capacity
                 while capacity.has_slot():

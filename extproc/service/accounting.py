@@ -15,7 +15,7 @@ import time
 from envoy.service.ext_proc.v3.external_processor_pb2 import HttpBody, HttpHeaders
 
 from extproc.service.gateway import Gateway
-from extproc.service.processor import RequestState, header_map
+from extproc.service.processor import RequestState, header_values
 from extproc.sse import JsonUsageParser, SseUsageParser
 from extproc.types import GATEWAY_REQUEST_ID_HEADER
 
@@ -31,16 +31,16 @@ class AccountingProcessor:
         self.ended = False
 
     def on_request_headers(self, message: HttpHeaders) -> None:
-        request_id = header_map(message).get(GATEWAY_REQUEST_ID_HEADER)
+        (request_id,) = header_values(message, GATEWAY_REQUEST_ID_HEADER)
         if request_id is not None:
             self.state = self.gateway.attach_accounting(request_id)
 
     def on_response_headers(self, message: HttpHeaders) -> None:
         if self.state is None:
             return
-        headers = header_map(message)
-        self.state.upstream_status = int(headers.get(":status", "0") or 0)
-        if "text/event-stream" in headers.get("content-type", ""):
+        status, content_type = header_values(message, ":status", "content-type")
+        self.state.upstream_status = int(status or 0) if (status or "0").isdigit() else 0
+        if "text/event-stream" in (content_type or ""):
             self.sse = SseUsageParser()
         else:
             self.json = JsonUsageParser()

@@ -128,7 +128,7 @@ class Gateway:
         if remote is not None:
             state.tenant, state.pool = remote.tenant, remote.pool
         if state.tenant is not None and state.pool is not None:
-            self.metrics.ttft.labels(state.tenant, state.pool).observe(at - state.started)
+            self.metrics.ttft_of(state.tenant, state.pool).observe(at - state.started)
 
     def settle(self, state: RequestState, usage: Usage | None, output_seen: int) -> None:
         """The response ended: replace estimates by real usage, count tokens, free capacity."""
@@ -147,13 +147,13 @@ class Gateway:
                 ratio = self.estimator.observe(
                     state.inference.prompt, usage.prompt_tokens, estimated=state.prompt_estimate
                 )
-                self.metrics.estimation_error.labels(self.estimator.mode).observe(ratio)
+                self.metrics.estimation_error_of(self.estimator.mode).observe(ratio)
         else:
             # Cut short (client gone, upstream reset): charge what was generated.
             input_tokens, output_tokens = state.prompt_estimate, output_seen
         state.usage_input, state.usage_output = input_tokens, output_tokens
-        self.metrics.tokens.labels(tenant, "input").inc(input_tokens)
-        self.metrics.tokens.labels(tenant, "output").inc(output_tokens)
+        self.metrics.tokens_of(tenant, "input").inc(input_tokens)
+        self.metrics.tokens_of(tenant, "output").inc(output_tokens)
         self._release(state, input_tokens, output_tokens)
         if state.admission_ended_at is not None:
             self.record(state)
@@ -185,8 +185,8 @@ class Gateway:
         self.admission.settle_remote(remote, input_tokens, output_tokens)
         if remote.tenant is not None and remote.tenant in self.policy.tenants:
             if input_tokens is not None:
-                self.metrics.tokens.labels(remote.tenant, "input").inc(input_tokens)
-            self.metrics.tokens.labels(remote.tenant, "output").inc(output_tokens)
+                self.metrics.tokens_of(remote.tenant, "input").inc(input_tokens)
+            self.metrics.tokens_of(remote.tenant, "output").inc(output_tokens)
 
     def _prune_remote(self) -> None:
         cutoff = time.monotonic() - _UNCLAIMED_TTL_S * 10
@@ -216,9 +216,9 @@ class Gateway:
         tenant = state.tenant or UNKNOWN_TENANT
         tier = state.tier or UNKNOWN_TENANT
         pool = state.pool or "none"
-        self.metrics.requests.labels(tenant, tier, pool, state.outcome.value).inc()
+        self.metrics.requests_of(tenant, tier, pool, state.outcome.value).inc()
         if state.grant is not None:
-            self.metrics.queue_wait.labels(tenant, tier).observe(state.grant.wait_s)
+            self.metrics.queue_wait_of(tenant, tier).observe(state.grant.wait_s)
         if request_log.isEnabledFor(logging.INFO):
             entry = {
                 "request_id": state.request_id,

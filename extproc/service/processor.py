@@ -77,6 +77,16 @@ def header_map(headers: HttpHeaders) -> dict[str, str]:
     return {h.key: h.raw_value.decode("utf-8", "replace") for h in headers.headers.headers}
 
 
+def header_values(headers: HttpHeaders, *names: str) -> list[str | None]:
+    """Just the named headers (lower-case names), without decoding the others."""
+    found: list[str | None] = [None] * len(names)
+    for header in headers.headers.headers:
+        key = header.key
+        if key in names:
+            found[names.index(key)] = header.raw_value.decode("utf-8", "replace")
+    return found
+
+
 def _int_header(headers: dict[str, str], name: str) -> int | None:
     raw = headers.get(name)
     if raw is None:
