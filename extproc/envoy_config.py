@@ -33,6 +33,8 @@ from envoy_data_plane.envoy.config.core.v3 import (
     GrpcService,
     GrpcServiceEnvoyGrpc,
     HeaderValue,
+    HeaderValueOption,
+    HeaderValueOptionHeaderAppendAction,
     Http2ProtocolOptions,
     KeepaliveSettings,
     RuntimeUInt32,
@@ -80,7 +82,7 @@ from envoy_data_plane.google.protobuf import Struct
 
 from extproc.policy import Policy
 from extproc.service.roles import ACCOUNTING_ROLE, ROLE_METADATA
-from extproc.types import POOL_HEADER
+from extproc.types import POOL_HEADER, UPSTREAM_HEADER
 
 EXTPROC_CLUSTER = "extproc"
 ADMISSION_FILTER = "extproc.admission"
@@ -289,7 +291,20 @@ def _not_json_filter() -> AccessLogFilter:
     )
 
 
-def _routes(policy: Policy) -> RouteConfiguration:
+def _routes(policy: Policy, name_upstream: bool) -> RouteConfiguration:
+    # The accounting stream learns which engine served the response (to correct cut-short
+    # streams from its counters, extproc.service.reconcile); the admission stream removes
+    # the header before the client sees it.
+    upstream = (
+        [
+            HeaderValueOption(
+                header=HeaderValue(key=UPSTREAM_HEADER, value="%UPSTREAM_HOST%"),
+                append_action=HeaderValueOptionHeaderAppendAction.OVERWRITE_IF_EXISTS_OR_ADD,
+            )
+        ]
+        if name_upstream
+        else []
+    )
     routes = [
         Route(
             match=RouteMatch(
@@ -298,6 +313,7 @@ def _routes(policy: Policy) -> RouteConfiguration:
             ),
             # timeout 0: long streamed responses must not be cut by the route timeout.
             route=RouteAction(cluster=f"pool_{pool}", timeout=_seconds(0)),
+            response_headers_to_add=upstream,
         )
         for pool in policy.pools
     ]
@@ -306,6 +322,7 @@ def _routes(policy: Policy) -> RouteConfiguration:
         Route(
             match=RouteMatch(prefix="/"),
             route=RouteAction(cluster=f"pool_{smallest}", timeout=_seconds(0)),
+            response_headers_to_add=upstream,
         )
     )
     return RouteConfiguration(
@@ -338,7 +355,7 @@ def build_bootstrap(policy: Policy, options: RenderOptions) -> Bootstrap:
     idle = min(3600.0, longest_hold(policy) + 60.0)
     manager = HttpConnectionManager(
         stat_prefix="llm_gateway",
-        route_config=_routes(policy),
+        route_config=_routes(policy, name_upstream=options.extproc_filters),
         # A held request is idle from Envoy's point of view: stay above the longest queue wait.
         stream_idle_timeout=_seconds(idle),
         request_timeout=_seconds(0),

@@ -9,11 +9,15 @@ TENANT_HEADER = "x-tenant-id"
 TIER_HEADER = "x-tier"
 POOL_HEADER = "x-llm-pool"
 GATEWAY_REQUEST_ID_HEADER = "x-gateway-request-id"
+UPSTREAM_HEADER = "x-gateway-upstream"
+"""Response header Envoy adds (the engine's address) for the accounting stream; the
+admission stream removes it before the client sees the response."""
 OWNED_HEADERS: tuple[str, ...] = (
     TENANT_HEADER,
     TIER_HEADER,
     POOL_HEADER,
     GATEWAY_REQUEST_ID_HEADER,
+    UPSTREAM_HEADER,
 )
 
 PRIORITY_HEADER = "x-priority"

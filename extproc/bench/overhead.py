@@ -109,9 +109,7 @@ def run(out: Path, quick: bool, workdir: Path) -> dict[str, Any]:
     (out / "results.json").write_text(json.dumps(results, indent=2))
     plot(runs, out / "overhead.png")
     print_table(runs, report)
-    print(
-        f"\nin-process (our handlers alone, {chunks} chunks, hot loop: extproc.bench.inprocess):"
-    )
+    print(f"\nin-process (our handlers alone, {chunks} chunks, hot loop: extproc.bench.inprocess):")
     for phase, micros in in_process.items():
         print(f"  {phase:28s} {micros:7.1f} us")
     return results

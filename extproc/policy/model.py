@@ -133,6 +133,10 @@ class Gateway(StrictModel):
     message_timeout: Duration = 5.0
     lease_timeout: Duration = 600.0
     trusted_tenant_header: str | None = None
+    reconcile_cut_short: bool = True
+    """Correct the charge of streams cut short from the engines' token counters
+    (extproc.service.reconcile); only with `state.backend: memory`, and the process must be
+    its engines' only client."""
 
 
 PositiveDuration = Annotated[Duration, Field(gt=0)]

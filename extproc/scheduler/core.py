@@ -941,6 +941,29 @@ class Scheduler:
         if band is not None and delta_cost != 0:
             band.fair.charge(ticket.tenant, delta_cost)
 
+    def correct_usage(self, tenant: str, pool: str, input_delta: int, output_delta: int) -> None:
+        """A settled request's count turned out different (extproc.service.reconcile): move
+        the tenant's token bucket and fair-share counter by the difference."""
+        delta = input_delta + output_delta
+        state = self._tenants.get(tenant)
+        if state is not None:
+            state.served_tokens += delta
+        spec = self._policy.tenant(tenant)
+        if spec is not None and delta != 0:
+            _rpm, tpm = self._buckets(tenant, spec)
+            if tpm is not None:
+                self.store.adjust(tpm, float(delta), self.clock.now())
+        fairness = self._policy.source.fairness
+        cost = fairness.input_weight * input_delta + fairness.output_weight * output_delta
+        band = self._band_of(tenant, pool)
+        if band is not None and cost != 0:
+            band.fair.charge(tenant, cost)
+
+    def pool_inflight(self, pool: str) -> int:
+        """Requests admitted to the pool and not yet released."""
+        found = self._pools.get(pool)
+        return 0 if found is None else found.capacity.inflight
+
     def _free(self, held: _LeaseState) -> None:
         lease = held.lease
         state = self._tenants[lease.tenant]

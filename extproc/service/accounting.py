@@ -17,7 +17,7 @@ from envoy.service.ext_proc.v3.external_processor_pb2 import HttpBody, HttpHeade
 from extproc.service.gateway import Gateway
 from extproc.service.processor import RequestState, header_values
 from extproc.sse import JsonUsageParser, SseUsageParser
-from extproc.types import GATEWAY_REQUEST_ID_HEADER
+from extproc.types import GATEWAY_REQUEST_ID_HEADER, UPSTREAM_HEADER
 
 
 class AccountingProcessor:
@@ -38,7 +38,10 @@ class AccountingProcessor:
     def on_response_headers(self, message: HttpHeaders) -> None:
         if self.state is None:
             return
-        status, content_type = header_values(message, ":status", "content-type")
+        status, content_type, upstream = header_values(
+            message, ":status", "content-type", UPSTREAM_HEADER
+        )
+        self.state.upstream = upstream
         self.state.upstream_status = int(status or 0) if (status or "0").isdigit() else 0
         if "text/event-stream" in (content_type or ""):
             self.sse = SseUsageParser()

@@ -30,16 +30,26 @@ log = logging.getLogger("extproc.engine_watch")
 WAITING = "vllm:num_requests_waiting"
 RUNNING = "vllm:num_requests_running"
 KV_USAGE = ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc")
-_WANTED = (WAITING, RUNNING, *KV_USAGE)
+PROMPT_TOKENS = "vllm:prompt_tokens_total"
+GENERATION_TOKENS = "vllm:generation_tokens_total"
+_WANTED = (WAITING, RUNNING, *KV_USAGE, PROMPT_TOKENS, GENERATION_TOKENS)
 
 
 @dataclass(frozen=True, slots=True)
 class EngineReading:
-    """The three figures of one engine's /metrics page."""
+    """The figures of one engine's /metrics page this service uses."""
 
     waiting: float
     running: float
     kv_usage: float
+    prompt_tokens: float = 0.0
+    """Counter: prompt tokens of every request the engine prefilled (aborted ones too)."""
+    generation_tokens: float = 0.0
+    """Counter: every token the engine generated (aborted requests' too)."""
+
+    @property
+    def idle(self) -> bool:
+        return self.waiting == 0 and self.running == 0
 
 
 def parse_engine_metrics(text: str) -> EngineReading | None:
@@ -70,7 +80,13 @@ def parse_engine_metrics(text: str) -> EngineReading | None:
     if not any(name in values for name in _WANTED):
         return None
     kv = next((values[name] for name in KV_USAGE if name in values), 0.0)
-    return EngineReading(values.get(WAITING, 0.0), values.get(RUNNING, 0.0), kv)
+    return EngineReading(
+        values.get(WAITING, 0.0),
+        values.get(RUNNING, 0.0),
+        kv,
+        values.get(PROMPT_TOKENS, 0.0),
+        values.get(GENERATION_TOKENS, 0.0),
+    )
 
 
 def pool_sample(at: float, readings: Sequence[EngineReading]) -> EngineSample | None:
@@ -83,6 +99,18 @@ def pool_sample(at: float, readings: Sequence[EngineReading]) -> EngineSample | 
         kv_usage=max(r.kv_usage for r in readings),
         engines=len(readings),
     )
+
+
+async def read_engine(session: aiohttp.ClientSession, endpoint: str) -> EngineReading | None:
+    """Scrape one engine's /metrics; None if it does not answer in time or is not vLLM."""
+    url = endpoint if "://" in endpoint else f"http://{endpoint}"
+    try:
+        async with session.get(url.rstrip("/") + "/metrics") as response:
+            if response.status != 200:
+                return None
+            return parse_engine_metrics(await response.text())
+    except (aiohttp.ClientError, TimeoutError, OSError):
+        return None
 
 
 Endpoints = Callable[[], Mapping[str, Sequence[str]]]
@@ -150,14 +178,7 @@ class EngineWatcher:
         return self._session
 
     async def _read(self, endpoint: str) -> EngineReading | None:
-        url = endpoint if "://" in endpoint else f"http://{endpoint}"
-        try:
-            async with self._client().get(url.rstrip("/") + "/metrics") as response:
-                if response.status != 200:
-                    return None
-                return parse_engine_metrics(await response.text())
-        except (aiohttp.ClientError, TimeoutError, OSError):
-            return None
+        return await read_engine(self._client(), endpoint)
 
     async def poll_once(self) -> dict[str, EngineSample]:
         """Scrape every adaptive pool's engines once and feed the samples."""

@@ -11,6 +11,8 @@ releases an admission whose stream ended without an accounting stream of its own
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 import time
 from typing import TYPE_CHECKING
@@ -23,6 +25,13 @@ from extproc.metrics import UNKNOWN_TENANT, Metrics
 from extproc.policy import Policy
 from extproc.scheduler import MonotonicClock
 from extproc.scheduler.adaptive import EngineCapacities
+from extproc.service.reconcile import (
+    Correction,
+    CutShort,
+    EngineLedger,
+    ReconcileHooks,
+    Reconciler,
+)
 from extproc.sse import Usage
 from extproc.state import build_admission
 
@@ -33,6 +42,7 @@ request_log = logging.getLogger("extproc.request")
 
 # An admission whose accounting stream never attached is forgotten after this long.
 _UNCLAIMED_TTL_S = 120.0
+_FIRST_BASE_TIMEOUT_S = 1.0
 
 
 class Gateway:
@@ -49,14 +59,42 @@ class Gateway:
         self.registry: dict[str, RequestState] = {}
         self.remote: dict[str, tuple[RequestState, RemoteLease]] = {}
         """Accounting streams of requests admitted by another process (shared state only)."""
+        self.admissions = 0
+        self.ledger: EngineLedger | None = None
+        self.reconciler: Reconciler | None = None
+        if policy.source.gateway.reconcile_cut_short and policy.source.state.backend == "memory":
+            self.ledger = EngineLedger()
+            self._track_engines(policy)
 
     async def start(self) -> None:
         """Connect the admission state store (Redis) and start its background tasks; a no-op
         for the memory store. Call before serving (otherwise the first request starts them)."""
         await self.admission.start()
+        if self.ledger is not None and self.reconciler is None:
+            hooks = ReconcileHooks(
+                pool_idle=lambda pool: self.scheduler.pool_inflight(pool) == 0,
+                admissions=lambda: self.admissions,
+                apply=self._apply_correction,
+                give_up=self._count_cut_short,
+                now=time.monotonic,
+            )
+            self.reconciler = Reconciler(self.ledger, hooks)
+            # Take the engines' bases now (they are idle before the first request), so cut-short
+            # streams are corrected from the start; an engine not up yet is read later.
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.reconciler.run_once(), _FIRST_BASE_TIMEOUT_S)
+            self.reconciler.start()
 
     async def close(self) -> None:
+        if self.reconciler is not None:
+            await self.reconciler.stop()
         await self.admission.close()
+
+    def _track_engines(self, policy: Policy) -> None:
+        assert self.ledger is not None
+        for name, pool in policy.pools.items():
+            for endpoint in pool.endpoints:
+                self.ledger.track(endpoint, name)
 
     def apply_policy(self, policy: Policy) -> int:
         """Hot reload: new requests use `policy`; queued and in-flight ones are kept, except
@@ -64,6 +102,8 @@ class Gateway:
         Returns how many queued requests were answered that way."""
         self.policy = policy
         self.estimator.configure(policy.source.estimation)
+        if self.ledger is not None:
+            self._track_engines(policy)
         return self.admission.update_policy(policy)
 
     def drain_queued(self, retry_after_s: int = 5) -> int:
@@ -77,6 +117,7 @@ class Gateway:
     # -- lifecycle of one admitted request -------------------------------------------------
 
     def admitted(self, state: RequestState) -> None:
+        self.admissions += 1
         self.registry[state.request_id] = state
         if len(self.registry) % 256 == 0:
             self._prune_registry()
@@ -141,6 +182,8 @@ class Gateway:
             return
         state.settled = True
         tenant = state.tenant or UNKNOWN_TENANT
+        ledger, engine, pool = self.ledger, state.upstream, state.pool
+        deferred = False
         if usage is not None:
             input_tokens, output_tokens = usage.prompt_tokens, usage.completion_tokens
             if state.inference is not None and usage.prompt_tokens > 0:
@@ -148,15 +191,49 @@ class Gateway:
                     state.inference.prompt, usage.prompt_tokens, estimated=state.prompt_estimate
                 )
                 self.metrics.estimation_error_of(self.estimator.mode).observe(ratio)
+            if ledger is not None and engine is not None and pool is not None:
+                ledger.completed(engine, pool, input_tokens, output_tokens)
         else:
-            # Cut short (client gone, upstream reset): charge what was generated.
+            # Cut short (client gone, upstream reset): charge what passed Envoy now; the
+            # reconciler corrects it from the engine's counters (extproc.service.reconcile).
             input_tokens, output_tokens = state.prompt_estimate, output_seen
+            if ledger is not None and engine is not None and pool is not None:
+                item = CutShort(
+                    state.request_id, tenant, pool, input_tokens, output_tokens, time.monotonic()
+                )
+                deferred = ledger.cut_short(engine, item)
         state.usage_input, state.usage_output = input_tokens, output_tokens
-        self.metrics.tokens_of(tenant, "input").inc(input_tokens)
-        self.metrics.tokens_of(tenant, "output").inc(output_tokens)
+        if not deferred:
+            self.metrics.tokens_of(tenant, "input").inc(input_tokens)
+            self.metrics.tokens_of(tenant, "output").inc(output_tokens)
         self._release(state, input_tokens, output_tokens)
+        if (
+            self.reconciler is not None
+            and pool is not None
+            and ledger is not None
+            and ledger.pending()
+            and self.scheduler.pool_inflight(pool) == 0
+        ):
+            self.reconciler.wake()
         if state.admission_ended_at is not None:
             self.record(state)
+
+    def _apply_correction(self, correction: Correction) -> None:
+        """The engine's counters gave a cut-short request's exact count."""
+        item = correction.item
+        self.scheduler.correct_usage(
+            item.tenant,
+            item.pool,
+            correction.input_tokens - item.input_tokens,
+            correction.output_tokens - item.output_tokens,
+        )
+        self.metrics.tokens_of(item.tenant, "input").inc(correction.input_tokens)
+        self.metrics.tokens_of(item.tenant, "output").inc(correction.output_tokens)
+
+    def _count_cut_short(self, item: CutShort) -> None:
+        """No exact count came in time: the provisional charge stands."""
+        self.metrics.tokens_of(item.tenant, "input").inc(item.input_tokens)
+        self.metrics.tokens_of(item.tenant, "output").inc(item.output_tokens)
 
     def _release(self, state: RequestState, input_tokens: int | None, output_tokens: int) -> None:
         if state.released or state.grant is None:
@@ -240,5 +317,22 @@ class Gateway:
 
     def state_view(self) -> dict[str, object]:
         """The admission state store: backend, and for Redis its mode (shared / local /
-        closed), this process's replica id and its leases."""
-        return self.admission.describe()
+        closed), this process's replica id and its leases; and the correction of cut-short
+        streams from engine counters (extproc.service.reconcile)."""
+        view = dict(self.admission.describe())
+        ledger = self.ledger
+        view["reconciliation"] = (
+            {"enabled": False}
+            if ledger is None
+            else {
+                "enabled": True,
+                "pending": ledger.pending(),
+                "corrected": ledger.corrected,
+                "given_up": ledger.given_up,
+                "unattributed_tokens": ledger.unattributed_tokens,
+                "engines_with_base": sorted(
+                    endpoint for endpoint, e in ledger.engines.items() if e.base_prompt is not None
+                ),
+            }
+        )
+        return view

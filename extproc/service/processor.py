@@ -33,6 +33,7 @@ from extproc.types import (
     PRIORITY_HEADER,
     TENANT_HEADER,
     TIER_HEADER,
+    UPSTREAM_HEADER,
     Outcome,
 )
 
@@ -69,6 +70,7 @@ class RequestState:
     usage_input: int | None = None
     usage_output: int | None = None
     upstream_status: int | None = None
+    upstream: str | None = None
     recorded: bool = False
 
 
@@ -249,12 +251,12 @@ class AdmissionProcessor:
     def on_response_headers(self, message: HttpHeaders) -> ProcessingResponse:
         grant = self.state.grant
         if grant is None:
-            return responses.continue_response_headers()
+            return responses.continue_response_headers(remove=(UPSTREAM_HEADER,))
         values = [
             *grant.ratelimit_headers.items(),
             ("x-gateway-queue-ms", f"{grant.wait_s * 1000.0:.1f}"),
         ]
-        return responses.continue_response_headers(values)
+        return responses.continue_response_headers(values, remove=(UPSTREAM_HEADER,))
 
     def finish(self) -> None:
         """Runs when the stream ends, however it ends: release, count, log."""

@@ -77,9 +77,11 @@ def continue_request_body(
     return reply
 
 
-def continue_response_headers(set_headers: Headers = ()) -> ProcessingResponse:
+def continue_response_headers(
+    set_headers: Headers = (), remove: Iterable[str] = ()
+) -> ProcessingResponse:
     reply = ProcessingResponse()
-    _fill_common(reply.response_headers.response, set_headers, (), False, None)
+    _fill_common(reply.response_headers.response, set_headers, remove, False, None)
     return reply
 
 

@@ -95,6 +95,8 @@ async def test_counted_tokens_equal_engine_usage(gateway: RunningGateway) -> Non
     rng.shuffle(plan)
     reported: dict[str, Counter[str]] = {"acme": Counter(), "globex": Counter()}
     async with aiohttp.ClientSession() as session:
+        # Corrections count from a base reading of each engine, taken at a quiet moment.
+        await wait_for_view(session, gateway, engines_have_base(gateway))
         before = await scrape(session, gateway.admin_url + "/metrics")
         engines_before = [
             await scrape(session, f"http://{endpoint}/metrics")
@@ -111,7 +113,8 @@ async def test_counted_tokens_equal_engine_usage(gateway: RunningGateway) -> Non
                 continue
             reported[tenant]["input"] += usage["prompt_tokens"]
             reported[tenant]["output"] += usage["completion_tokens"]
-        await wait_for_view(session, gateway, settled)
+        # Every stream settled, and the cut-short ones corrected from the engines' counters.
+        final_view = await wait_for_view(session, gateway, settled_and_reconciled)
         after = await scrape(session, gateway.admin_url + "/metrics")
         engines_after = [
             await scrape(session, f"http://{endpoint}/metrics")
@@ -133,18 +136,36 @@ async def test_counted_tokens_equal_engine_usage(gateway: RunningGateway) -> Non
     # A tenant whose requests all complete: exactly what the engine reported in the responses.
     assert counted("acme", "input") == reported["acme"]["input"]
     assert counted("acme", "output") == reported["acme"]["output"]
-    # Abandoned streams: the gateway charges every token that passed Envoy before the client
-    # left (at least what the client itself received), and the prompt at its estimate (no
-    # usage chunk ever arrives). The engine may generate a few more tokens before it sees the
-    # abort; vLLM reports no usage for aborted requests, so nobody outside the engine can count
-    # those exactly.
-    completed_output = reported["acme"]["output"] + reported["globex"]["output"]
-    gateway_abandoned = counted("acme", "output") + counted("globex", "output") - completed_output
-    engine_abandoned = engine_total("vllm:generation_tokens_total") - completed_output
+    # Abandoned streams never get a usage chunk; the gateway corrects their charge from the
+    # engines' counters, which count every token, aborted requests' too. So all tenants
+    # together equal the engines exactly, and globex (the only one abandoning) gets the rest.
     figures = {
         "counted": {t: {d: counted(t, d) for d in ("input", "output")} for t in reported},
         "reported": reported,
+        "reconciliation": final_view["state"]["reconciliation"],
         "client_seen": client_seen,
+        "engine_prompt": engine_total("vllm:prompt_tokens_total"),
         "engine_output": engine_total("vllm:generation_tokens_total"),
     }
-    assert client_seen <= gateway_abandoned <= engine_abandoned, figures
+    assert counted("acme", "input") + counted("globex", "input") == engine_total(
+        "vllm:prompt_tokens_total"
+    ), figures
+    assert counted("acme", "output") + counted("globex", "output") == engine_total(
+        "vllm:generation_tokens_total"
+    ), figures
+    abandoned_output = counted("globex", "output") - reported["globex"]["output"]
+    assert abandoned_output >= client_seen, figures
+
+
+def settled_and_reconciled(view: dict[str, Any]) -> bool:
+    reconciliation = view["state"]["reconciliation"]
+    return settled(view) and reconciliation["enabled"] and reconciliation["pending"] == 0
+
+
+def engines_have_base(gateway: RunningGateway) -> Any:
+    endpoints = {e for pool in gateway.policy.pools.values() for e in pool.endpoints}
+
+    def check(view: dict[str, Any]) -> bool:
+        return endpoints <= set(view["state"]["reconciliation"]["engines_with_base"])
+
+    return check
