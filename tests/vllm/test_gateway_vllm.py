@@ -315,3 +315,76 @@ async def test_envoy_access_log_names_the_vllm_upstreams(gateway: Any) -> None:
     assert upstreams <= set(endpoints)
     rejected = [e for e in gateway.envoy_access_log() if e.get("status") == 429]
     assert rejected and all(e["upstream"] in (None, "-", "") for e in rejected)
+
+
+async def gateway_view(session: aiohttp.ClientSession, gateway: Any) -> dict[str, Any]:
+    async with session.get(gateway.admin_url + "/v1/tenants") as response:
+        return orjson.loads(await response.read())  # type: ignore[no-any-return]
+
+
+async def test_abandoned_streams_are_corrected_to_vllm_counters(gateway: Any) -> None:
+    """Streams the client drops get no usage chunk; the gateway's count is corrected from
+    vLLM's own prompt and generation counters, so it matches them exactly."""
+    engines_named = {url.removeprefix("http://") for url in gateway.engines.values()}
+    async with aiohttp.ClientSession(timeout=TIMEOUT) as session:
+        deadline = time.monotonic() + 30.0
+        while not engines_named <= set(
+            (await gateway_view(session, gateway))["state"]["reconciliation"]["engines_with_base"]
+        ):
+            assert time.monotonic() < deadline, "no base reading of the vLLM engines"
+            await asyncio.sleep(0.1)
+        counted_before = await scrape(session, gateway.admin_url)
+        engines_before = await engine_counts(session, gateway)
+        view = await gateway_view(session, gateway)
+        corrected_before = view["state"]["reconciliation"]["corrected"]
+
+        async def abandon(index: int) -> int:
+            body = chat("tell me a long story " * (1 + index), 200, stream=True)
+            headers = {"authorization": f"Bearer {TEST_KEYS['globex']}"}
+            url = gateway.base_url + "/v1/chat/completions"
+            async with session.post(url, json=body, headers=headers) as response:
+                assert response.status == 200
+                first = await response.content.readany()
+                response.close()
+            return first.count(b'"content":"') - first.count(b'"content":""')
+
+        async def complete(index: int) -> dict[str, int]:
+            status, _, raw = await send(session, gateway, "acme", chat("count " * index, 12))
+            assert status == 200, raw
+            return usage_of(raw, stream=False)
+
+        seen = await asyncio.gather(*(abandon(i) for i in range(4)))
+        usages = await asyncio.gather(*(complete(i + 1) for i in range(3)))
+        await settle(session, gateway)
+        deadline = time.monotonic() + 30.0
+        while (view := await gateway_view(session, gateway))["state"]["reconciliation"]["pending"]:
+            assert time.monotonic() < deadline, "cut-short streams not reconciled"
+            await asyncio.sleep(0.1)
+        corrected = view["state"]["reconciliation"]["corrected"] - corrected_before
+        counted_after = await scrape(session, gateway.admin_url)
+        engines_after = await engine_counts(session, gateway)
+
+    def counted(tenant: str, direction: str) -> float:
+        key = ("extproc_tokens_total", ("direction", direction), ("tenant", tenant))
+        return counted_after.get(key, 0.0) - counted_before.get(key, 0.0)
+
+    def engines(name: str) -> float:
+        return sum(
+            total(engines_after[p], name) - total(engines_before[p], name)
+            for p in ("short", "long")
+        )
+
+    figures = {
+        "counted": {t: (counted(t, "input"), counted(t, "output")) for t in ("acme", "globex")},
+        "engines": (engines("vllm:prompt_tokens_total"), engines("vllm:generation_tokens_total")),
+        "client_seen": seen,
+        "corrected": corrected,
+    }
+    assert corrected >= 1, figures  # the abandoned streams went through the correction
+    assert counted("acme", "input") == sum(u["prompt_tokens"] for u in usages), figures
+    assert counted("acme", "output") == sum(u["completion_tokens"] for u in usages), figures
+    both_input = counted("acme", "input") + counted("globex", "input")
+    both_output = counted("acme", "output") + counted("globex", "output")
+    assert both_input == engines("vllm:prompt_tokens_total"), figures
+    assert both_output == engines("vllm:generation_tokens_total"), figures
+    assert counted("globex", "output") >= sum(seen), figures
