@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import sys
 import tempfile
 import time
@@ -134,8 +135,12 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--requests", type=int, default=10_000)
     parser.add_argument("--chunks", type=int, default=23, help="body chunks per response")
+    parser.add_argument("--json", action="store_true", help="print the figures as JSON")
     args = parser.parse_args(argv)
     result = asyncio.run(measure(args.requests, args.chunks))
+    if args.json:
+        print(json.dumps(result))
+        return 0
     for phase, micros in result.items():
         print(f"{phase:28s} {micros:7.1f} us")
     return 0
