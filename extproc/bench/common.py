@@ -3,10 +3,8 @@
 * Stacks on loopback: emulated engines started once per scenario (`engine_set`), and per arm
   the real Envoy either straight to them ("direct", FIFO inside the engine) or through the
   ext_proc service ("service"), `gateway_stack`.
-* The service runs as `python -m extproc.bench.common serve`: the ordinary `extproc serve`
-  (`extproc.service.main.Service`) plus the capacity a benchmark asks for (adaptive limits fed
-  by `extproc.service.engine_watch`, headroom), installed with `install_capacities`. Once the
-  gateway builds its scheduler with `EngineCapacities` itself this is a plain `serve`.
+* The service is the ordinary `extproc serve`; the capacity a benchmark asks for (adaptive
+  limits, headroom) goes into the policy's pool fields (`CapacityConfig.apply`).
 * A streaming load generator that records, per request, the time of the first SSE data chunk
   and counts tokens as chunks arrive (`Meter`: tokens and weighted service per tenant in time
   bins), closed loops that honour `Retry-After`, Poisson open loops with a hard stop.
@@ -15,11 +13,8 @@
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
-import functools
-import json
 import math
 import random
 import sys
@@ -31,17 +26,16 @@ from typing import Any
 
 import aiohttp
 import orjson
+from ruamel.yaml import YAML
 
 from extproc.bench.loadgen import percentile
-from extproc.bench.stack import free_port, tcp_open
+from extproc.bench.stack import engine_children, free_port, front_children, start_all
 from extproc.engine.tokens import MESSAGE_OVERHEAD_TOKENS
-from extproc.envoy_config import RenderOptions, render_bootstrap, split_host_port
 from extproc.policy import Policy, policy_from_text
-from extproc.scheduler.adaptive import AdaptiveSettings, EngineCapacities
-from extproc.up import Child, Stack, envoy_binary, http_ok, wait_until
+from extproc.scheduler.adaptive import AdaptiveSettings
+from extproc.up import Stack
 
 PROFILE = "a100-llama3-8b"
-_READY_S = 60.0
 _IDLE_WAIT_S = 15.0
 
 
@@ -78,8 +72,27 @@ class CapacityConfig:
             headroom={name: int(v) for name, v in (data.get("headroom") or {}).items()},
         )
 
-    def capacities(self) -> EngineCapacities:
-        return EngineCapacities(self.adaptive, static_headroom=self.headroom)
+    def apply(self, policy_text: str) -> str:
+        """The policy with these settings in its pools' `adaptive` and `headroom` fields
+        (returned as JSON, which is YAML too)."""
+        policy = YAML(typ="safe").load(policy_text)
+        pools = policy["pools"]
+        for name, settings in self.adaptive.items():
+            pools[name]["adaptive"] = {
+                "min_inflight": settings.min_inflight,
+                "initial_inflight": settings.initial_inflight,
+                "target_waiting": settings.target_waiting,
+                "kv_target": settings.kv_target,
+                "increase": settings.increase,
+                "decrease": settings.decrease,
+                "cooldown": settings.cooldown_s,
+                "smoothing": settings.smoothing,
+                "poll_interval": settings.poll_interval_s,
+            }
+            pools[name]["headroom"] = settings.headroom
+        for name, headroom in self.headroom.items():
+            pools[name]["headroom"] = headroom
+        return orjson.dumps(policy, option=orjson.OPT_INDENT_2).decode()
 
 
 # --- stacks --------------------------------------------------------------------------------------
@@ -109,26 +122,10 @@ def engine_set(
         name: [f"127.0.0.1:{free_port()}" for _ in range(count)] for name, count in pools.items()
     }
     stack = Stack()
-    for pool, addresses in endpoints.items():
-        for index, endpoint in enumerate(addresses):
-            host, port = split_host_port(endpoint)
-            stack.children.append(
-                Child(
-                    name=f"engine {pool}#{index}",
-                    command=[
-                        sys.executable, "-m", "extproc", "engine", "--host", host,
-                        "--port", str(port), "--profile", profile,
-                        "--engine-id", f"{pool}-{index}", "--accept-any-model", *engine_args,
-                    ],
-                    log_path=workdir / f"engine-{pool}-{index}.log",
-                )
-            )  # fmt: skip
+    children, checks = engine_children(workdir, endpoints, profile, tuple(engine_args))
+    stack.children.extend(children)
     try:
-        for child in stack.children:
-            child.start()
-        for endpoint in (e for addresses in endpoints.values() for e in addresses):
-            check = functools.partial(http_ok, f"http://{endpoint}/health")
-            wait_until(check, stack, f"engine {endpoint}", _READY_S)
+        start_all(stack, checks)
         yield EngineSet(endpoints, stack)
     finally:
         stack.stop()
@@ -160,63 +157,27 @@ def gateway_stack(
     path: str,
     capacity: CapacityConfig | None = None,
 ) -> Iterator[Gateway]:
-    """Envoy straight to the engines (`path="direct"`) or through the ext_proc service
-    (`"service"`, with `capacity`), on fresh loopback ports."""
+    """Envoy straight to the engines (`path="direct"`) or through `extproc serve`
+    (`"service"`, with `capacity` written into the policy), on fresh loopback ports."""
     if path not in PATHS:
         raise ValueError(f"path must be one of {PATHS}")
     workdir.mkdir(parents=True, exist_ok=True)
+    if path == "service" and capacity is not None:
+        policy_text = capacity.apply(policy_text)
     policy_path = workdir / "policy.yaml"
     policy_path.write_text(policy_text)
     policy = policy_from_text(policy_text, str(policy_path))
-    listen, grpc_address = f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"
-    admin, envoy_admin = f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"
-    stack = Stack()
-    checks: list[tuple[Callable[[], bool], str]] = []
-    if path == "service":
-        capacity_path = workdir / "capacity.json"
-        capacity_path.write_text(json.dumps((capacity or CapacityConfig()).to_json(), indent=2))
-        stack.children.append(
-            Child(
-                name="extproc",
-                command=[
-                    sys.executable, "-m", "extproc.bench.common", "serve",
-                    "--policy", str(policy_path), "--grpc", grpc_address, "--admin", admin,
-                    "--capacity", str(capacity_path),
-                ],
-                log_path=workdir / "extproc.log",
-            )
-        )  # fmt: skip
-        checks.append((functools.partial(http_ok, f"http://{admin}/readyz"), "extproc"))
-        checks.append((functools.partial(tcp_open, grpc_address), "extproc gRPC"))
-    options = RenderOptions(
-        listen=listen,
-        extproc=grpc_address,
-        admin=envoy_admin,
-        extproc_filters=path == "service",
-        access_log=False,
+    front = front_children(
+        workdir, policy_path, policy, "extproc" if path == "service" else "straight"
     )
-    envoy_config = workdir / "envoy.json"
-    envoy_config.write_text(render_bootstrap(policy, options))
-    stack.children.append(
-        Child(
-            name="envoy",
-            command=[
-                envoy_binary(), "-c", str(envoy_config), "--log-level", "error",
-                "--use-dynamic-base-id", "--concurrency", "1",
-            ],
-            log_path=workdir / "envoy.log",
-        )
-    )  # fmt: skip
-    checks.append((functools.partial(http_ok, f"http://{envoy_admin}/ready"), "envoy"))
+    stack = Stack()
+    stack.children.extend(front.children)
     try:
-        for child in stack.children:
-            child.start()
-        for check, what in checks:
-            wait_until(check, stack, what, _READY_S)
+        start_all(stack, front.checks)
         yield Gateway(
             arm=path,
-            base_url=f"http://{listen}",
-            admin_url=f"http://{admin}" if path == "service" else None,
+            base_url=front.base_url,
+            admin_url=front.admin_url,
             policy=policy,
             stack=stack,
         )
@@ -715,87 +676,3 @@ def run_async(coroutine: Awaitable[Any]) -> Any:
 
 async def _as_coroutine(awaitable: Awaitable[Any]) -> Any:
     return await awaitable
-
-
-# --- the service with the benchmark's capacity ---------------------------------------------------
-
-
-def install_capacities(gateway: Any, capacities: EngineCapacities) -> None:
-    """Rebuild a fresh gateway's scheduler with `capacities` as its capacity factory.
-
-    Only right after start, before any request: the scheduler is empty. (What the gateway
-    will do itself once it builds its Scheduler with `capacity_factory=capacities.factory`.)"""
-    from extproc.admission import AdmissionController
-    from extproc.scheduler import Scheduler
-
-    old = gateway.scheduler
-    scheduler = Scheduler(
-        gateway.policy, gateway.clock, old.store, capacity_factory=capacities.factory
-    )
-    gateway.scheduler = scheduler
-    gateway.admission = AdmissionController(scheduler, gateway.metrics)
-
-
-async def _serve(args: argparse.Namespace) -> int:
-    from extproc.service.engine_watch import EngineWatcher
-    from extproc.service.main import ServeOptions, Service
-
-    config = CapacityConfig()
-    if args.capacity:
-        config = CapacityConfig.from_json(json.loads(Path(args.capacity).read_text()))
-    capacities = config.capacities()
-
-    class CapacityService(Service):
-        watcher: EngineWatcher | None = None
-
-        async def start(self) -> bool:
-            started = await super().start()
-            gateway = self.gateway
-            if started and gateway is not None:
-                install_capacities(gateway, capacities)
-
-                def endpoints() -> dict[str, list[str]]:
-                    return {n: list(p.endpoints) for n, p in gateway.policy.pools.items()}
-
-                self.watcher = EngineWatcher(
-                    capacities, endpoints, gateway.clock, lambda: gateway.admission.pump()
-                )
-                self.watcher.start()
-            return started
-
-        async def close(self) -> None:
-            if self.watcher is not None:
-                await self.watcher.stop()
-            await super().close()
-
-    options = ServeOptions(
-        policy=args.policy,
-        grpc=args.grpc,
-        admin=args.admin,
-        drain_grace=1.0,
-        log_format="text",
-        reload_interval=0.0,
-    )
-    return await CapacityService(options).run()
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m extproc.bench.common")
-    commands = parser.add_subparsers(dest="command", required=True)
-    serve = commands.add_parser("serve", help="extproc serve with a benchmark's capacity")
-    serve.add_argument("--policy", required=True)
-    serve.add_argument("--grpc", required=True)
-    serve.add_argument("--admin", required=True)
-    serve.add_argument("--capacity", help="JSON: {adaptive: {pool: settings}, headroom: {...}}")
-    serve.add_argument("--log-level", default="WARNING")
-    args = parser.parse_args(argv)
-    from extproc.service.main import configure_logging, install_event_loop_policy
-
-    configure_logging("text", args.log_level.upper())
-    install_event_loop_policy()
-    result: int = asyncio.run(_serve(args))
-    return result
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -100,18 +100,54 @@ def run(out: Path, quick: bool, workdir: Path) -> dict[str, Any]:
                     )
                     runs.append(measure(stack, tokens, concurrency, seconds))
     report = compare(runs, levels)
+    saturated = gateway_bound(workdir, 4.0 if quick else 15.0)
     print("[overhead] in-process cost of our handlers (no gRPC)", file=sys.stderr, flush=True)
     chunks = round(_find(runs, "extproc", 20, levels[0])["chunks_per_request"])
     in_process = measure_in_process(2_000 if quick else 10_000, chunks)
     out.mkdir(parents=True, exist_ok=True)
-    results = {"runs": runs, "summary": report, "in_process_us": in_process}
+    results = {
+        "runs": runs,
+        "summary": report,
+        "gateway_bound": saturated,
+        "in_process_us": in_process,
+    }
     (out / "results.json").write_text(json.dumps(results, indent=2))
     plot(runs, out / "overhead.png")
     print_table(runs, report)
+    print(
+        f"\ngateway-bound throughput ({GATEWAY_BOUND_PROFILE!r} engines, 20-token responses, "
+        f"{GATEWAY_BOUND_CLIENTS} clients; the load generator shares the cores):"
+    )
+    for row in saturated:
+        print(
+            f"  {row['arm']:9s} {row['rps']:7.1f} req/s  ext_proc CPU "
+            f"{row['extproc_cpu_us_per_request']:6.0f} us/request"
+        )
+    floor_rps = next(r["rps"] for r in saturated if r["arm"] == "noop")
+    ours_rps = next(r["rps"] for r in saturated if r["arm"] == "extproc")
+    print(f"  ours / floor = {ours_rps / floor_rps:.2f}x (target >= 0.9)")
     print(f"\nin-process (our handlers alone, {chunks} chunks, hot loop: extproc.bench.inprocess):")
     for phase, micros in in_process.items():
         print(f"  {phase:28s} {micros:7.1f} us")
     return results
+
+
+GATEWAY_BOUND_PROFILE = "fast"
+GATEWAY_BOUND_CLIENTS = 32
+
+
+def gateway_bound(workdir: Path, seconds: float) -> list[dict[str, Any]]:
+    """Throughput when the engines are not the limit (the `fast` profile answers at once),
+    each arm through the same Envoy: what the ext_proc hop costs in requests per second."""
+    rows: list[dict[str, Any]] = []
+    for arm in ARMS:
+        print(f"[overhead] gateway-bound arm {arm}, {seconds:.0f}s", file=sys.stderr, flush=True)
+        with bench_stack(
+            workdir / f"saturated-{arm}", bench_policy, arm=arm, profile=GATEWAY_BOUND_PROFILE
+        ) as stack:
+            measure(stack, 20, 4, 1.0)
+            rows.append(measure(stack, 20, GATEWAY_BOUND_CLIENTS, seconds))
+    return rows
 
 
 def measure_in_process(requests: int, chunks: int) -> dict[str, float]:

@@ -55,46 +55,35 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / 100.0
 
 
-@contextlib.contextmanager
-def bench_stack(
+@dataclass
+class FrontChildren:
+    """What sits in front of the engines for one arm: the ext_proc server (if any) and Envoy,
+    not started yet, with the checks that tell they are ready."""
+
+    children: list[Child]
+    checks: list[tuple[Callable[[], bool], str]]
+    base_url: str
+    admin_url: str | None
+
+
+def front_children(
     workdir: Path,
-    make_policy: Callable[[str, str], str],
-    arm: str = "extproc",
-    profile: str = "a100-llama3-8b",
-    engine_args: tuple[str, ...] = (),
+    policy_path: Path,
+    policy: Policy,
+    arm: str,
     extproc_args: tuple[str, ...] = (),
-) -> Iterator[BenchStack]:
-    """`make_policy(short_endpoint, long_endpoint)` gives the policy text; `arm` picks what
-    sits between Envoy and the engines."""
+) -> FrontChildren:
+    """Envoy on fresh loopback ports, straight to the policy's endpoints (`straight`) or
+    through `extproc serve` (`extproc`) or the do-nothing floor (`noop`)."""
     if arm not in ARMS:
         raise ValueError(f"arm must be one of {ARMS}")
-    workdir.mkdir(parents=True, exist_ok=True)
-    short, long_ = f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"
-    policy_path = workdir / "policy.yaml"
-    policy_path.write_text(make_policy(short, long_))
-    policy = load_policy(policy_path)
     listen, grpc_address = f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"
     admin, envoy_admin = f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"
     python = sys.executable
-    stack = Stack()
+    children: list[Child] = []
     checks: list[tuple[Callable[[], bool], str]] = []
-    for pool, spec in policy.pools.items():
-        for index, endpoint in enumerate(spec.endpoints):
-            host, port = split_host_port(endpoint)
-            stack.children.append(
-                Child(
-                    name=f"engine {pool}#{index}",
-                    command=[
-                        python, "-m", "extproc", "engine", "--host", host, "--port", str(port),
-                        "--profile", profile, "--engine-id", f"{pool}-{index}",
-                        "--accept-any-model", *engine_args,
-                    ],
-                    log_path=workdir / f"engine-{pool}-{index}.log",
-                )
-            )  # fmt: skip
-            checks.append((functools.partial(http_ok, f"http://{endpoint}/health"), endpoint))
     if arm == "extproc":
-        stack.children.append(
+        children.append(
             Child(
                 name="extproc",
                 command=[
@@ -107,14 +96,15 @@ def bench_stack(
         )  # fmt: skip
         checks.append((functools.partial(http_ok, f"http://{admin}/readyz"), "extproc"))
     elif arm == "noop":
-        stack.children.append(
+        children.append(
             Child(
                 name="extproc",
                 command=[python, "-m", "extproc.bench.noop", "--grpc", grpc_address],
                 log_path=workdir / "noop.log",
             )
         )
-        checks.append((functools.partial(tcp_open, grpc_address), "noop ext_proc"))
+    if arm != "straight":
+        checks.append((functools.partial(tcp_open, grpc_address), "ext_proc gRPC"))
     envoy_config = workdir / "envoy.json"
     options = RenderOptions(
         listen=listen,
@@ -124,7 +114,7 @@ def bench_stack(
         access_log=False,
     )
     envoy_config.write_text(render_bootstrap(policy, options))
-    stack.children.append(
+    children.append(
         Child(
             name="envoy",
             command=[
@@ -135,15 +125,69 @@ def bench_stack(
         )
     )  # fmt: skip
     checks.append((functools.partial(http_ok, f"http://{envoy_admin}/ready"), "envoy"))
+    return FrontChildren(
+        children, checks, f"http://{listen}", f"http://{admin}" if arm == "extproc" else None
+    )
+
+
+def engine_children(
+    workdir: Path, endpoints: dict[str, list[str]], profile: str, engine_args: tuple[str, ...]
+) -> tuple[list[Child], list[tuple[Callable[[], bool], str]]]:
+    """One emulated engine per endpoint, by pool, not started yet."""
+    children: list[Child] = []
+    checks: list[tuple[Callable[[], bool], str]] = []
+    for pool, addresses in endpoints.items():
+        for index, endpoint in enumerate(addresses):
+            host, port = split_host_port(endpoint)
+            children.append(
+                Child(
+                    name=f"engine {pool}#{index}",
+                    command=[
+                        sys.executable, "-m", "extproc", "engine", "--host", host,
+                        "--port", str(port), "--profile", profile,
+                        "--engine-id", f"{pool}-{index}", "--accept-any-model", *engine_args,
+                    ],
+                    log_path=workdir / f"engine-{pool}-{index}.log",
+                )
+            )  # fmt: skip
+            checks.append((functools.partial(http_ok, f"http://{endpoint}/health"), endpoint))
+    return children, checks
+
+
+def start_all(stack: Stack, checks: list[tuple[Callable[[], bool], str]]) -> None:
+    for child in stack.children:
+        child.start()
+    for check, what in checks:
+        wait_until(check, stack, what, _READY_S)
+
+
+@contextlib.contextmanager
+def bench_stack(
+    workdir: Path,
+    make_policy: Callable[[str, str], str],
+    arm: str = "extproc",
+    profile: str = "a100-llama3-8b",
+    engine_args: tuple[str, ...] = (),
+    extproc_args: tuple[str, ...] = (),
+) -> Iterator[BenchStack]:
+    """`make_policy(short_endpoint, long_endpoint)` gives the policy text; `arm` picks what
+    sits between Envoy and the engines."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    short, long_ = f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"
+    policy_path = workdir / "policy.yaml"
+    policy_path.write_text(make_policy(short, long_))
+    policy = load_policy(policy_path)
+    endpoints = {name: list(spec.endpoints) for name, spec in policy.pools.items()}
+    engines, checks = engine_children(workdir, endpoints, profile, engine_args)
+    front = front_children(workdir, policy_path, policy, arm, extproc_args)
+    stack = Stack()
+    stack.children.extend([*engines, *front.children])
     try:
-        for child in stack.children:
-            child.start()
-        for check, what in checks:
-            wait_until(check, stack, what, _READY_S)
+        start_all(stack, [*checks, *front.checks])
         yield BenchStack(
             arm=arm,
-            base_url=f"http://{listen}",
-            admin_url=f"http://{admin}" if arm == "extproc" else None,
+            base_url=front.base_url,
+            admin_url=front.admin_url,
             policy=policy,
             stack=stack,
         )

@@ -99,6 +99,9 @@ def test_overhead_quick(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> N
     [figures] = data["summary"].values()
     assert {"cpu_per_request_us", "cpu_per_chunk_us", "rps_20_tokens"} <= set(figures)
     assert "CPU/request ours" in printed
+    assert {row["arm"] for row in data["gateway_bound"]} == {"straight", "noop", "extproc"}
+    assert all(row["ok"] > 0 for row in data["gateway_bound"])
+    assert "gateway-bound throughput" in printed
     in_process = data["in_process_us"]
     assert all(micros > 0 for micros in in_process.values())
     assert in_process["total"] == pytest.approx(

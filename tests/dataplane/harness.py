@@ -27,11 +27,10 @@ class RunningGateway:
         return child.log_path.read_text(errors="replace")
 
 
-@contextlib.contextmanager
-def running_gateway(
+def loopback_config(
     workdir: Path, make_policy: Callable[[str, str], str], profile: str = "fast"
-) -> Iterator[RunningGateway]:
-    """`make_policy(short_endpoint, long_endpoint)` returns the policy text to run with."""
+) -> tuple[Policy, StackConfig]:
+    """The policy (written to `workdir`) and a stack configuration on free loopback ports."""
     short, long_ = f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"
     policy_path = workdir / "policy.yaml"
     policy_path.write_text(make_policy(short, long_))
@@ -45,6 +44,15 @@ def running_gateway(
         envoy_admin=f"127.0.0.1:{free_port()}",
         profile=profile,
     )
+    return policy, config
+
+
+@contextlib.contextmanager
+def running_gateway(
+    workdir: Path, make_policy: Callable[[str, str], str], profile: str = "fast"
+) -> Iterator[RunningGateway]:
+    """`make_policy(short_endpoint, long_endpoint)` returns the policy text to run with."""
+    policy, config = loopback_config(workdir, make_policy, profile)
     stack = build_stack(config, policy)
     ACTIVE_STACKS.append(stack)
     try:

@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from extproc.policy import Policy, load_policy
+from extproc.policy import Policy
 from extproc.up import Stack, StackConfig, build_stack, wait_ready
 from extproc.vllm_cpu.launcher import vllm_python
 from extproc.vllm_cpu.model_builder import default_cache_dir
@@ -26,8 +26,7 @@ from extproc.vllm_cpu.stack import (
     vllm_children,
     wait_engines_ready,
 )
-from tests.conftest import free_port
-from tests.dataplane.harness import ACTIVE_STACKS
+from tests.dataplane.harness import ACTIVE_STACKS, loopback_config
 
 ENGINE_READY_TIMEOUT_S = 300.0
 
@@ -63,18 +62,7 @@ def running_vllm_gateway(
     workdir: Path, make_policy: Callable[[str, str], str]
 ) -> Iterator[VllmGateway]:
     """`make_policy(short_endpoint, long_endpoint)` returns the policy text to run with."""
-    short, long_ = f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"
-    policy_path = workdir / "policy.yaml"
-    policy_path.write_text(make_policy(short, long_))
-    policy = load_policy(policy_path)
-    config = StackConfig(
-        policy_path=str(policy_path),
-        workdir=workdir,
-        listen=f"127.0.0.1:{free_port()}",
-        grpc=f"127.0.0.1:{free_port()}",
-        admin=f"127.0.0.1:{free_port()}",
-        envoy_admin=f"127.0.0.1:{free_port()}",
-    )
+    policy, config = loopback_config(workdir, make_policy)
     python = vllm_python()
     model = build_model(python, default_cache_dir(), progress=_progress)
     emulated = build_stack(config, policy)
