@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
+import math
 import subprocess
 import sys
 import time
@@ -16,7 +18,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from extproc.bench.loadgen import RequestSpec, closed_loop, summarize
+from extproc.bench.loadgen import RequestSpec, closed_loop, percentile, summarize
 from extproc.bench.stack import ARMS, BenchStack, bench_stack, cpu_seconds
 from extproc.policy import hash_key
 
@@ -64,6 +66,7 @@ def measure(
     summary: dict[str, Any] = dict(summarize(samples, elapsed))
     ok = summary["ok"] or 1.0
     summary.update(
+        ttfb_ms=[s.ttfb_s * 1000 for s in samples if s.status == 200 and s.ttfb_s is not None],
         arm=stack.arm,
         output_tokens=output_tokens,
         concurrency=concurrency,
@@ -82,25 +85,92 @@ def per_chunk_us(short: dict[str, Any], long_: dict[str, Any]) -> float:
     return extra_cpu / extra_chunks if extra_chunks > 0 else float("nan")
 
 
+def merge_rounds(rounds: list[dict[str, Any]]) -> dict[str, Any]:
+    """One arm's runs of the same load in several rounds, as one run: totals of requests,
+    seconds and CPU; percentiles over every request of every round."""
+    first = rounds[0]
+    ok = sum(r["ok"] for r in rounds)
+    elapsed = sum(r["elapsed_s"] for r in rounds)
+    cpu = sum(r["extproc_cpu_s"] for r in rounds)
+    chunks = sum(r["chunks"] for r in rounds)
+    ttfb = [t for r in rounds for t in r["ttfb_ms"]]
+    return {
+        "arm": first["arm"],
+        "output_tokens": first["output_tokens"],
+        "concurrency": first["concurrency"],
+        "rounds": len(rounds),
+        "ok": ok,
+        "elapsed_s": elapsed,
+        "rps": ok / elapsed if elapsed else math.nan,
+        "ttfb_p50_ms": percentile(ttfb, 50),
+        "ttfb_p99_ms": percentile(ttfb, 99),
+        "chunks": chunks,
+        "extproc_cpu_s": cpu,
+        "extproc_cpu_us_per_request": cpu / (ok or 1.0) * 1e6,
+        "chunks_per_request": chunks / (ok or 1.0),
+    }
+
+
+def interleaved(
+    stacks: dict[str, BenchStack], loads: list[tuple[int, int, float]], rounds: int, label: str
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """Every load (output tokens, clients, seconds) on every arm, arm after arm, `rounds`
+    times over: slow drifts and other processes' bursts then hit every arm alike. Returns
+    the merged runs and the raw ones."""
+    raw: list[dict[str, Any]] = []
+    for round_index in range(rounds):
+        for tokens, concurrency, seconds in loads:
+            for arm, stack in stacks.items():
+                print(
+                    f"[overhead] {label}round {round_index + 1}/{rounds}: {arm}, "
+                    f"{tokens}-token responses, {concurrency} clients, {seconds:.0f}s",
+                    file=sys.stderr,
+                    flush=True,
+                )
+                raw.append({**measure(stack, tokens, concurrency, seconds), "round": round_index})
+    keys = sorted(
+        dict.fromkeys((r["arm"], r["output_tokens"], r["concurrency"]) for r in raw),
+        key=lambda k: (ARMS.index(k[0]), k[2], k[1]),
+    )
+    merged = [
+        merge_rounds([r for r in raw if (r["arm"], r["output_tokens"], r["concurrency"]) == key])
+        for key in keys
+    ]
+    return merged, raw
+
+
+def stacks_of(
+    exit_stack: contextlib.ExitStack, workdir: Path, profile: str
+) -> dict[str, BenchStack]:
+    """The three arms' stacks, all up at once (idle while another arm is measured)."""
+    stacks: dict[str, BenchStack] = {}
+    for arm in ARMS:
+        print(f"[overhead] starting the {arm} stack ({profile})", file=sys.stderr, flush=True)
+        stack = exit_stack.enter_context(
+            bench_stack(workdir / f"{profile}-{arm}", bench_policy, arm=arm, profile=profile)
+        )
+        measure(stack, 20, 4, 1.0)  # warm up connections and caches
+        stacks[arm] = stack
+    return stacks
+
+
 def run(out: Path, quick: bool, workdir: Path) -> dict[str, Any]:
     levels = (8,) if quick else (8, 32)
-    short_s, long_s = (3.0, 6.0) if quick else (12.0, 20.0)
-    runs: list[dict[str, Any]] = []
-    for arm in ARMS:
-        print(f"[overhead] arm {arm}: starting stack", file=sys.stderr, flush=True)
-        with bench_stack(workdir / arm, bench_policy, arm=arm) as stack:
-            measure(stack, 20, 4, 1.0)  # warm up connections and caches
-            for concurrency in levels:
-                for tokens, seconds in ((20, short_s), (500, long_s)):
-                    print(
-                        f"[overhead] arm {arm}: {tokens}-token responses, "
-                        f"concurrency {concurrency}, {seconds:.0f}s",
-                        file=sys.stderr,
-                        flush=True,
-                    )
-                    runs.append(measure(stack, tokens, concurrency, seconds))
+    short_s, long_s = (3.0, 6.0) if quick else (6.0, 10.0)
+    rounds = 1 if quick else 2
+    loads = [(t, c, sec) for c in levels for t, sec in ((20, short_s), (500, long_s))]
+    with contextlib.ExitStack() as exit_stack:
+        stacks = stacks_of(exit_stack, workdir, "a100-llama3-8b")
+        runs, raw = interleaved(stacks, loads, rounds, "")
+    with contextlib.ExitStack() as exit_stack:
+        stacks = stacks_of(exit_stack, workdir, GATEWAY_BOUND_PROFILE)
+        saturated, raw_saturated = interleaved(
+            stacks,
+            [(20, GATEWAY_BOUND_CLIENTS, 3.0 if quick else 8.0)],
+            rounds,
+            "gateway-bound ",
+        )
     report = compare(runs, levels)
-    saturated = gateway_bound(workdir, 4.0 if quick else 15.0)
     print("[overhead] in-process cost of our handlers (no gRPC)", file=sys.stderr, flush=True)
     chunks = round(_find(runs, "extproc", 20, levels[0])["chunks_per_request"])
     in_process = measure_in_process(2_000 if quick else 10_000, chunks)
@@ -110,6 +180,7 @@ def run(out: Path, quick: bool, workdir: Path) -> dict[str, Any]:
         "summary": report,
         "gateway_bound": saturated,
         "in_process_us": in_process,
+        "raw_runs": raw + raw_saturated,
     }
     (out / "results.json").write_text(json.dumps(results, indent=2))
     plot(runs, out / "overhead.png")
@@ -134,20 +205,6 @@ def run(out: Path, quick: bool, workdir: Path) -> dict[str, Any]:
 
 GATEWAY_BOUND_PROFILE = "fast"
 GATEWAY_BOUND_CLIENTS = 32
-
-
-def gateway_bound(workdir: Path, seconds: float) -> list[dict[str, Any]]:
-    """Throughput when the engines are not the limit (the `fast` profile answers at once),
-    each arm through the same Envoy: what the ext_proc hop costs in requests per second."""
-    rows: list[dict[str, Any]] = []
-    for arm in ARMS:
-        print(f"[overhead] gateway-bound arm {arm}, {seconds:.0f}s", file=sys.stderr, flush=True)
-        with bench_stack(
-            workdir / f"saturated-{arm}", bench_policy, arm=arm, profile=GATEWAY_BOUND_PROFILE
-        ) as stack:
-            measure(stack, 20, 4, 1.0)
-            rows.append(measure(stack, 20, GATEWAY_BOUND_CLIENTS, seconds))
-    return rows
 
 
 def measure_in_process(requests: int, chunks: int) -> dict[str, float]:
