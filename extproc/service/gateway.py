@@ -46,7 +46,11 @@ _FIRST_BASE_TIMEOUT_S = 1.0
 
 
 class Gateway:
-    def __init__(self, policy: Policy, metrics: Metrics | None = None) -> None:
+    def __init__(
+        self, policy: Policy, metrics: Metrics | None = None, sole_client: bool = True
+    ) -> None:
+        """`sole_client`: no other process of this service sends to the same engines (needed
+        to correct cut-short streams from the engines' counters)."""
         self.policy = policy
         self.clock = MonotonicClock()
         self.metrics = metrics or Metrics()
@@ -62,7 +66,11 @@ class Gateway:
         self.admissions = 0
         self.ledger: EngineLedger | None = None
         self.reconciler: Reconciler | None = None
-        if policy.source.gateway.reconcile_cut_short and policy.source.state.backend == "memory":
+        if (
+            sole_client
+            and policy.source.gateway.reconcile_cut_short
+            and policy.source.state.backend == "memory"
+        ):
             self.ledger = EngineLedger()
             self._track_engines(policy)
 

@@ -40,6 +40,7 @@ from extproc.reload import PolicyReloader
 from extproc.service.engine_watch import EngineWatcher
 from extproc.service.gateway import Gateway
 from extproc.service.server import start_grpc_server
+from extproc.service.workers import WORKER_COUNT_ENV
 
 log = logging.getLogger("extproc.serve")
 
@@ -330,7 +331,10 @@ class Service:
                 return False
             loaded = waited
         policy, text = loaded
-        gateway = Gateway(policy, metrics=self.metrics)
+        # Worker processes of one supervisor share the engines (extproc.service.workers).
+        workers = os.environ.get(WORKER_COUNT_ENV, "1").strip()
+        sole_client = not workers.isdigit() or int(workers) <= 1
+        gateway = Gateway(policy, metrics=self.metrics, sole_client=sole_client)
         self.gateway = gateway
         # Connect the admission state store (a no-op in memory) before taking streams.
         await _maybe_await(getattr(gateway, "start", None))

@@ -67,6 +67,10 @@ def add_arguments(parser: argparse.ArgumentParser, default_ports: str = "shared"
     )  # fmt: skip
 
 
+WORKER_COUNT_ENV = "EXTPROC_WORKER_COUNT"
+"""Set for each worker: how many processes of this service share the engines."""
+
+
 def _env_int(name: str, default: int) -> int:
     raw = os.environ.get(name, "").strip()
     if not raw:
@@ -188,7 +192,15 @@ class Supervisor:
 
     def __post_init__(self) -> None:
         self.workers = [
-            Worker(i, command, {**self.env, "EXTPROC_WORKER_INDEX": str(i)})
+            Worker(
+                i,
+                command,
+                {
+                    **self.env,
+                    "EXTPROC_WORKER_INDEX": str(i),
+                    WORKER_COUNT_ENV: str(len(self.commands)),
+                },
+            )
             for i, command in enumerate(self.commands)
         ]
 
