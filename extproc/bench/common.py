@@ -13,6 +13,7 @@
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import contextlib
 import math
@@ -649,6 +650,16 @@ def fmt(value: float, digits: int = 1) -> str:
         if value is None or (isinstance(value, float) and math.isnan(value))
         else (f"{value:.{digits}f}")
     )
+
+
+def add_scenario_arguments(
+    parser: argparse.ArgumentParser, default_out: Path, measure_help: str
+) -> None:
+    """The flags every tenant scenario takes (its own knobs follow)."""
+    parser.add_argument("--out", type=Path, default=default_out)
+    parser.add_argument("--quick", action="store_true", help="a short smoke run")
+    parser.add_argument("--workdir", type=Path, help="logs of the stacks (default: OUT/stacks)")
+    parser.add_argument("--measure", type=float, help=measure_help)
 
 
 def write_json(path: Path, data: Any) -> None:

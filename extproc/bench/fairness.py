@@ -39,6 +39,7 @@ from extproc.bench.common import (
     Meter,
     Record,
     Spec,
+    add_scenario_arguments,
     engine_set,
     fmt,
     gateway_stack,
@@ -352,10 +353,7 @@ def run(
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
-    parser.add_argument("--quick", action="store_true", help="a short smoke run")
-    parser.add_argument("--workdir", type=Path, help="logs of the stacks (default: OUT/stacks)")
-    parser.add_argument("--measure", type=float, help="measured seconds per arm (default 50)")
+    add_scenario_arguments(parser, DEFAULT_OUT, "measured seconds per arm (default 50)")
     parser.add_argument("--rate", type=float, help="requests/s per tenant (default 8)")
     parser.add_argument("--max-inflight", type=int, help="door capacity (default 16)")
     parser.add_argument("--seed", type=int, default=11)

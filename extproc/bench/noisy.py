@@ -43,6 +43,7 @@ from extproc.bench.common import (
     Meter,
     Monitor,
     Spec,
+    add_scenario_arguments,
     closed_loop,
     engine_set,
     fmt,
@@ -558,10 +559,7 @@ def run(
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
-    parser.add_argument("--quick", action="store_true", help="a short smoke run")
-    parser.add_argument("--workdir", type=Path, help="logs of the stacks (default: OUT/stacks)")
-    parser.add_argument("--measure", type=float, help="measured seconds per arm")
+    add_scenario_arguments(parser, DEFAULT_OUT, "measured seconds per arm")
     parser.add_argument(
         "--sweep", default=None, help="fixed soft limits to compare, comma separated (4,24,128)"
     )

@@ -38,6 +38,7 @@ from extproc.bench.common import (
     Meter,
     Monitor,
     Spec,
+    add_scenario_arguments,
     closed_loop,
     engine_set,
     fmt,
@@ -406,10 +407,7 @@ def run(
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
-    parser.add_argument("--quick", action="store_true", help="a short smoke run")
-    parser.add_argument("--workdir", type=Path, help="logs of the stacks (default: OUT/stacks)")
-    parser.add_argument("--measure", type=float, help="measured seconds per arm (default 45)")
+    add_scenario_arguments(parser, DEFAULT_OUT, "measured seconds per arm (default 45)")
     parser.add_argument("--premium-rate", type=float, help="premium requests/s (default 2)")
     parser.add_argument("--standard-concurrency", type=int, help="clients per standard tenant")
     parser.add_argument("--seed", type=int, default=23)

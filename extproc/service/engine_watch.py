@@ -113,6 +113,18 @@ async def read_engine(session: aiohttp.ClientSession, endpoint: str) -> EngineRe
         return None
 
 
+async def stop_poller(
+    task: asyncio.Task[None] | None, session: aiohttp.ClientSession | None
+) -> None:
+    """Cancel a background polling task and close its HTTP session."""
+    if task is not None:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+    if session is not None:
+        await session.close()
+
+
 Endpoints = Callable[[], Mapping[str, Sequence[str]]]
 """Pool name -> its engine endpoints (host:port), read at every poll (policy reloads)."""
 
@@ -150,13 +162,8 @@ class EngineWatcher:
 
     async def stop(self) -> None:
         task, self._task = self._task, None
-        if task is not None:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
         session, self._session = self._session, None
-        if session is not None:
-            await session.close()
+        await stop_poller(task, session)
 
     async def _run(self) -> None:
         while True:

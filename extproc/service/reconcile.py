@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 
 import aiohttp
 
-from extproc.service.engine_watch import EngineReading, read_engine
+from extproc.service.engine_watch import EngineReading, read_engine, stop_poller
 
 log = logging.getLogger("extproc.reconcile")
 
@@ -227,13 +227,8 @@ class Reconciler:
 
     async def stop(self) -> None:
         task, self._task = self._task, None
-        if task is not None:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
         session, self._session = self._session, None
-        if session is not None:
-            await session.close()
+        await stop_poller(task, session)
 
     async def _run(self) -> None:
         while True:
