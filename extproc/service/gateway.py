@@ -211,6 +211,7 @@ class Gateway:
                 )
                 deferred = ledger.cut_short(engine, item)
         state.usage_input, state.usage_output = input_tokens, output_tokens
+        state.usage_provisional = deferred
         if not deferred:
             self.metrics.tokens_of(tenant, "input").inc(input_tokens)
             self.metrics.tokens_of(tenant, "output").inc(output_tokens)
@@ -318,6 +319,7 @@ class Gateway:
                 "budget_tokens": state.budget or None,
                 "input_tokens": state.usage_input,
                 "output_tokens": state.usage_output,
+                "tokens_provisional": state.usage_provisional,
                 "upstream_status": state.upstream_status,
                 "duration_ms": round((time.monotonic() - state.started) * 1000.0, 2),
             }

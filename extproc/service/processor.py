@@ -69,6 +69,8 @@ class RequestState:
     output_charged: int = 0
     usage_input: int | None = None
     usage_output: int | None = None
+    usage_provisional: bool = False
+    """Cut short: the usage above is what passed Envoy; the reconciler corrects the charge."""
     upstream_status: int | None = None
     upstream: str | None = None
     recorded: bool = False

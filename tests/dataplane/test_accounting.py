@@ -155,6 +155,19 @@ async def test_counted_tokens_equal_engine_usage(gateway: RunningGateway) -> Non
     ), figures
     abandoned_output = counted("globex", "output") - reported["globex"]["output"]
     assert abandoned_output >= client_seen, figures
+    # Their request log lines say the token counts there are the provisional ones.
+    provisional = Counter(
+        entry["tenant"] for entry in request_log(gateway) if entry.get("tokens_provisional")
+    )
+    assert provisional["globex"] >= 1 and provisional["acme"] == 0, provisional
+
+
+def request_log(gateway: RunningGateway) -> list[dict[str, Any]]:
+    entries = []
+    for line in gateway.log_of("extproc").splitlines():
+        if line.startswith("{") and '"logger":"extproc.request"' in line:
+            entries.append(orjson.loads(line))
+    return entries
 
 
 def settled_and_reconciled(view: dict[str, Any]) -> bool:
