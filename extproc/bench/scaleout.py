@@ -19,16 +19,15 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import math
 import os
 import resource
 import shutil
-import signal
 import struct
 import subprocess
 import sys
 import tempfile
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,6 +38,7 @@ import orjson
 from extproc.bench.loadgen import percentile
 from extproc.bench.stack import cpu_seconds, free_port
 from extproc.policy import hash_key
+from extproc.up import Child, Stack, http_ok, wait_until
 
 DEFAULT_OUT = Path("results/scaleout")
 TENANTS = ("t0", "t1", "t2", "t3")
@@ -85,28 +85,6 @@ def bench_policy(redis_url: str | None, replicas: int) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _http_ok(url: str) -> bool:
-    import urllib.request
-
-    try:
-        with urllib.request.urlopen(url, timeout=1.0) as response:
-            return bool(response.status == 200)
-    except OSError:
-        return False
-
-
-def _wait(check: Any, what: str, process: subprocess.Popen[bytes] | None = None) -> None:
-    deadline = time.monotonic() + _READY_S
-    delay = 0.02
-    while not check():
-        if process is not None and process.poll() is not None:
-            raise RuntimeError(f"{what}: the process exited with {process.returncode}")
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"timed out waiting for {what}")
-        time.sleep(delay)
-        delay = min(delay * 1.5, 0.25)
-
-
 @dataclass(frozen=True)
 class RedisUnderTest:
     url: str
@@ -119,17 +97,20 @@ def redis_server(workdir: Path) -> Iterator[RedisUnderTest]:
     if binary is None:
         raise RuntimeError("redis-server not found (apt-get install redis-server)")
     port = free_port()
-    process = subprocess.Popen(
-        [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-         "--dir", str(workdir)],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+    child = Child(
+        name="redis-server",
+        command=[binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
+                 "--appendonly", "no", "--dir", str(workdir)],
+        log_path=workdir / "redis.log",
     )  # fmt: skip
+    stack = Stack([child])
     try:
-        _wait(lambda: _redis_ping(port), "redis-server", process)
-        yield RedisUnderTest(f"redis://127.0.0.1:{port}/0", process.pid)
+        child.start()
+        wait_until(lambda: _redis_ping(port), stack, "redis-server", _READY_S)
+        assert child.process is not None
+        yield RedisUnderTest(f"redis://127.0.0.1:{port}/0", child.process.pid)
     finally:
-        process.terminate()
-        process.wait(10)
+        stack.stop()
 
 
 def _redis_ping(port: int) -> bool:
@@ -162,26 +143,25 @@ def service(policy: Path, workers: int, store: str, workdir: Path) -> Iterator[S
     ]  # fmt: skip
     if store == "memory":
         command.append("--allow-unshared-workers")
-    log = (workdir / f"serve-{store}-{workers}.log").open("wb")
-    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
-    process = subprocess.Popen(
-        command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
+    child = Child(
+        name=f"serve {store} x{workers}",
+        command=command,
+        log_path=workdir / f"serve-{store}-{workers}.log",
+        env={**os.environ, "PYTHONWARNINGS": "ignore"},
+        stop_timeout=30.0,
     )
-    log.close()
+    stack = Stack([child])
     try:
+        child.start()
         admin_urls = [f"http://127.0.0.1:{admin_base + i}" for i in range(workers)]
         for i, url in enumerate(admin_urls):
-            _wait(lambda u=url: _http_ok(f"{u}/readyz"), f"worker {i}", process)
+            wait_until(functools.partial(http_ok, f"{url}/readyz"), stack, f"worker {i}", _READY_S)
+        assert child.process is not None
         yield ServiceUnderTest(
-            [f"127.0.0.1:{grpc_base + i}" for i in range(workers)], admin_urls, process.pid
+            [f"127.0.0.1:{grpc_base + i}" for i in range(workers)], admin_urls, child.process.pid
         )
     finally:
-        process.send_signal(signal.SIGTERM)
-        try:
-            process.wait(30)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
+        stack.stop()
 
 
 def _free_run(count: int) -> int:
