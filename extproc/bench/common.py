@@ -21,9 +21,9 @@ import random
 import sys
 import time
 from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import aiohttp
 import orjson
@@ -660,6 +660,40 @@ def add_scenario_arguments(
     parser.add_argument("--quick", action="store_true", help="a short smoke run")
     parser.add_argument("--workdir", type=Path, help="logs of the stacks (default: OUT/stacks)")
     parser.add_argument("--measure", type=float, help=measure_help)
+
+
+TimingT = TypeVar("TimingT")
+
+
+def chosen_timing(args: argparse.Namespace, default: TimingT, quick: TimingT) -> TimingT:
+    """A scenario's timing from its flags: `--quick` for the short one, `--measure S` to
+    change the measured seconds per arm."""
+    timing = quick if args.quick else default
+    if args.measure:
+        timing = replace(timing, measure_s=args.measure)  # type: ignore[type-var]
+    return timing
+
+
+def save_figure(fig: Any, path: Path, dpi: int = 90) -> None:
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=dpi)
+    pyplot().close(fig)
+
+
+def save_results(
+    out: Path,
+    report: Any,
+    figure: str,
+    draw: Callable[[Path], None],
+    table: Callable[[], None],
+) -> None:
+    """Write `results.json` and the plot under `out`, print the table and where they are."""
+    out.mkdir(parents=True, exist_ok=True)
+    write_json(out / "results.json", report)
+    draw(out / figure)
+    table()
+    print(f"\nresults: {out / 'results.json'}, plot: {out / figure}")
 
 
 def write_json(path: Path, data: Any) -> None:

@@ -40,6 +40,7 @@ from extproc.bench.common import (
     Record,
     Spec,
     add_scenario_arguments,
+    chosen_timing,
     engine_set,
     fmt,
     gateway_stack,
@@ -50,9 +51,10 @@ from extproc.bench.common import (
     prompt_text,
     pyplot,
     run_async,
+    save_figure,
+    save_results,
     status_counts,
     wait_engines_idle,
-    write_json,
 )
 from extproc.policy import hash_key
 
@@ -311,10 +313,7 @@ def plot(results: dict[str, dict[str, Any]], timing: Timing, path: Path) -> None
     ax.set_xlabel("seconds")
     ax.set_ylabel("k weighted tokens")
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=90)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def run(
@@ -344,11 +343,13 @@ def run(
         "wall_s": time.perf_counter() - began,
         "arms": results,
     }
-    out.mkdir(parents=True, exist_ok=True)
-    write_json(out / "results.json", report)
-    plot(results, timing, out / "token-fairness.png")
-    print_table(results)
-    print(f"\nresults: {out / 'results.json'}, plot: {out / 'token-fairness.png'}")
+    save_results(
+        out,
+        report,
+        "token-fairness.png",
+        lambda path: plot(results, timing, path),
+        lambda: print_table(results),
+    )
     return report
 
 
@@ -365,9 +366,7 @@ def main(args: argparse.Namespace) -> int:
         work = replace(work, rate=args.rate)
     if args.max_inflight:
         work = replace(work, max_inflight=args.max_inflight)
-    timing = Timing.quick() if args.quick else Timing()
-    if args.measure:
-        timing = replace(timing, measure_s=args.measure)
+    timing = chosen_timing(args, Timing(), Timing.quick())
     run(
         args.out,
         args.workdir or args.out / "stacks",

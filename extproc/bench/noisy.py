@@ -44,6 +44,7 @@ from extproc.bench.common import (
     Monitor,
     Spec,
     add_scenario_arguments,
+    chosen_timing,
     closed_loop,
     engine_set,
     fmt,
@@ -54,11 +55,12 @@ from extproc.bench.common import (
     prompt_text,
     pyplot,
     run_async,
+    save_figure,
+    save_results,
     status_counts,
     ttft_stats,
     wait_engines_idle,
     within,
-    write_json,
 )
 from extproc.policy import hash_key
 from extproc.scheduler.adaptive import AdaptiveSettings
@@ -501,10 +503,7 @@ def plot(results: dict[str, dict[str, Any]], summary: dict[str, Any], path: Path
     ax.set_xlabel("seconds")
     ax.set_title("engine batch and queue over time (full policy vs FIFO)")
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=90)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def run(
@@ -550,11 +549,13 @@ def run(
         "summary": summary,
         "arms": results,
     }
-    out.mkdir(parents=True, exist_ok=True)
-    write_json(out / "results.json", report)
-    plot(results, summary, out / "noisy-neighbour.png")
-    print_table(summary, arms)
-    print(f"\nresults: {out / 'results.json'}, plot: {out / 'noisy-neighbour.png'}")
+    save_results(
+        out,
+        report,
+        "noisy-neighbour.png",
+        lambda path: plot(results, summary, path),
+        lambda: print_table(summary, arms),
+    )
     return report
 
 
@@ -581,9 +582,7 @@ def main(args: argparse.Namespace) -> int:
         "flood_output": args.flood_output,
     }
     work = replace(work, **{k: v for k, v in changes.items() if v is not None})
-    timing = Timing.quick() if args.quick else Timing()
-    if args.measure:
-        timing = replace(timing, measure_s=args.measure)
+    timing = chosen_timing(args, Timing(), Timing.quick())
     sweep = [int(x) for x in args.sweep.split(",") if x.strip()] if args.sweep else None
     run(
         args.out,

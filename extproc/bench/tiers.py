@@ -39,6 +39,7 @@ from extproc.bench.common import (
     Monitor,
     Spec,
     add_scenario_arguments,
+    chosen_timing,
     closed_loop,
     engine_set,
     fmt,
@@ -50,11 +51,12 @@ from extproc.bench.common import (
     prompt_text,
     pyplot,
     run_async,
+    save_figure,
+    save_results,
     status_counts,
     ttft_stats,
     wait_engines_idle,
     within,
-    write_json,
 )
 from extproc.policy import hash_key
 from extproc.scheduler.adaptive import AdaptiveSettings
@@ -358,10 +360,7 @@ def plot(results: dict[str, dict[str, Any]], summary: dict[str, Any], path: Path
     ax.set_xticks(range(len(tenants)), tenants)
     ax.set_title("longest time to first token per tenant (s)")
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=90)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def run(
@@ -398,11 +397,13 @@ def run(
         "summary": summary,
         "arms": results,
     }
-    out.mkdir(parents=True, exist_ok=True)
-    write_json(out / "results.json", report)
-    plot(results, summary, out / "tiers.png")
-    print_table(results, summary)
-    print(f"\nresults: {out / 'results.json'}, plot: {out / 'tiers.png'}")
+    save_results(
+        out,
+        report,
+        "tiers.png",
+        lambda path: plot(results, summary, path),
+        lambda: print_table(results, summary),
+    )
     return report
 
 
@@ -419,9 +420,7 @@ def main(args: argparse.Namespace) -> int:
         work = replace(work, premium_rate=args.premium_rate)
     if args.standard_concurrency:
         work = replace(work, standard_concurrency=args.standard_concurrency)
-    timing = Timing.quick() if args.quick else Timing()
-    if args.measure:
-        timing = replace(timing, measure_s=args.measure)
+    timing = chosen_timing(args, Timing(), Timing.quick())
     run(
         args.out,
         args.workdir or args.out / "stacks",

@@ -96,15 +96,7 @@ class RedisServer:
         wait_for(lambda: redis_ping(self.port), 10, "redis-server to answer")
 
     def stop(self) -> None:
-        process = self.process
-        if process is None or process.poll() is not None:
-            return
-        process.terminate()
-        try:
-            process.wait(5)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
+        terminate(self.process, 5.0)
 
     def pause(self) -> None:
         assert self.process is not None
@@ -137,6 +129,18 @@ def http_get(url: str, timeout: float = 1.0) -> tuple[int, bytes]:
         return int(error.code), error.read()
     except (OSError, ValueError):
         return 0, b""
+
+
+def terminate(process: subprocess.Popen[bytes] | None, timeout: float) -> None:
+    """SIGTERM, then SIGKILL if it has not exited within `timeout` seconds."""
+    if process is None or process.poll() is not None:
+        return
+    process.terminate()
+    try:
+        process.wait(timeout)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
 
 
 @dataclass
@@ -199,15 +203,7 @@ class ServeProcess:
         return value
 
     def stop(self) -> None:
-        process = self.process
-        if process is None or process.poll() is not None:
-            return
-        process.terminate()
-        try:
-            process.wait(10)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
+        terminate(self.process, 10.0)
 
     def kill(self) -> None:
         if self.process is not None and self.process.poll() is None:
