@@ -19,18 +19,16 @@ import sys
 import tempfile
 import time
 from collections import defaultdict
-from collections.abc import Iterable
 from pathlib import Path
 
 import orjson
-from envoy.config.core.v3.base_pb2 import HeaderMap, HeaderValue
-from envoy.service.ext_proc.v3.external_processor_pb2 import HttpBody, HttpHeaders
+from envoy.service.ext_proc.v3.external_processor_pb2 import HttpBody
 
 from extproc.bench.overhead import BENCH_KEY, bench_policy
 from extproc.policy import load_policy
 from extproc.service.accounting import AccountingProcessor
 from extproc.service.gateway import Gateway
-from extproc.service.processor import AdmissionProcessor
+from extproc.service.processor import AdmissionProcessor, http_headers
 
 PHASES = (
     "request headers",
@@ -43,11 +41,6 @@ PHASES = (
 )
 
 
-def _headers(pairs: Iterable[tuple[str, str]], end_of_stream: bool = False) -> HttpHeaders:
-    values = [HeaderValue(key=k, raw_value=v.encode()) for k, v in pairs]
-    return HttpHeaders(headers=HeaderMap(headers=values), end_of_stream=end_of_stream)
-
-
 class OneRequest:
     """The messages Envoy sends for one streamed chat completion of `chunks` body chunks."""
 
@@ -57,14 +50,14 @@ class OneRequest:
              "stream_options": {"include_usage": True},
              "messages": [{"role": "user", "content": "Summarise fair scheduling. " * 3}]}
         )  # fmt: skip
-        self.request_headers = _headers(
+        self.request_headers = http_headers(
             [(":method", "POST"), (":path", "/v1/chat/completions"), (":authority", "gateway"),
              (":scheme", "http"), ("authorization", f"Bearer {BENCH_KEY}"),
              ("content-type", "application/json"), ("content-length", str(len(body))),
              ("user-agent", "bench"), ("x-forwarded-proto", "http"), ("x-request-id", "r1")]
         )  # fmt: skip
         self.request_body = HttpBody(body=body, end_of_stream=True)
-        self.response_headers = _headers(
+        self.response_headers = http_headers(
             [(":status", "200"), ("content-type", "text/event-stream"), ("server", "engine")]
         )
         delta = (
@@ -94,7 +87,7 @@ async def _run_one(gateway: Gateway, request: OneRequest, totals: dict[str, floa
     t3 = clock()
     admission.finish()
     t4 = clock()
-    linked = _headers([(":path", "/v1/chat/completions"),
+    linked = http_headers([(":path", "/v1/chat/completions"),
                        ("x-gateway-request-id", admission.state.request_id)])  # fmt: skip
     t5 = clock()
     accounting = AccountingProcessor(gateway)

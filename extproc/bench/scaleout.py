@@ -195,22 +195,16 @@ def admission_payload(tenant: str) -> bytes:
     Both messages go out at once and the stream is half-closed; the service answers each in turn
     (through the hold, if any), then ends the call. Framing: 1 flag byte, 4-byte length, message.
     """
-    from envoy.config.core.v3.base_pb2 import HeaderMap, HeaderValue
-    from envoy.service.ext_proc.v3.external_processor_pb2 import (
-        HttpBody,
-        HttpHeaders,
-        ProcessingRequest,
-    )
+    from envoy.service.ext_proc.v3.external_processor_pb2 import HttpBody, ProcessingRequest
+
+    from extproc.service.processor import http_headers
 
     body = orjson.dumps(
         {"model": "m", "messages": [{"role": "user", "content": "Say hello. " * 20}],
          "max_tokens": 64}
     )  # fmt: skip
-    header_values = [
-        HeaderValue(key=k, raw_value=v.encode()) for k, v in _request_headers(tenant, len(body))
-    ]
     messages = (
-        ProcessingRequest(request_headers=HttpHeaders(headers=HeaderMap(headers=header_values))),
+        ProcessingRequest(request_headers=http_headers(_request_headers(tenant, len(body)))),
         ProcessingRequest(request_body=HttpBody(body=body, end_of_stream=True)),
     )
     framed = b""

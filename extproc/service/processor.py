@@ -7,10 +7,11 @@ import itertools
 import os
 import secrets
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterable
 from dataclasses import dataclass, field
 
 import orjson
+from envoy.config.core.v3.base_pb2 import HeaderMap, HeaderValue
 from envoy.service.ext_proc.v3.external_processor_pb2 import (
     HttpBody,
     HttpHeaders,
@@ -79,6 +80,13 @@ class RequestState:
 def header_map(headers: HttpHeaders) -> dict[str, str]:
     """Envoy sends values in raw_value (bytes); `value` is empty (DESIGN.md section 3)."""
     return {h.key: h.raw_value.decode("utf-8", "replace") for h in headers.headers.headers}
+
+
+def http_headers(pairs: Iterable[tuple[str, str]], end_of_stream: bool = False) -> HttpHeaders:
+    """The message Envoy sends for these headers (values in raw_value), the inverse of
+    header_map: what benchmarks and tests play Envoy with."""
+    values = [HeaderValue(key=key, raw_value=value.encode()) for key, value in pairs]
+    return HttpHeaders(headers=HeaderMap(headers=values), end_of_stream=end_of_stream)
 
 
 def header_values(headers: HttpHeaders, *names: str) -> list[str | None]:

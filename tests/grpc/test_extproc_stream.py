@@ -8,17 +8,16 @@ from collections.abc import AsyncIterator, Iterable
 import grpc
 import orjson
 import pytest
-from envoy.config.core.v3.base_pb2 import HeaderMap, HeaderValue
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ext_proc_grpc
 from envoy.service.ext_proc.v3.external_processor_pb2 import (
     HttpBody,
-    HttpHeaders,
     ProcessingRequest,
     ProcessingResponse,
 )
 
 from extproc.policy import policy_from_text
 from extproc.service.gateway import Gateway
+from extproc.service.processor import http_headers
 from extproc.service.server import start_grpc_server
 from tests.conftest import TEST_KEYS, policy_yaml
 
@@ -33,12 +32,7 @@ def headers_message(
     pairs = [(":method", method), (":path", path), (":authority", "gw"), *extra]
     if key is not None:
         pairs.append(("authorization", f"Bearer {key}"))
-    return ProcessingRequest(
-        request_headers=HttpHeaders(
-            headers=HeaderMap(headers=[HeaderValue(key=k, raw_value=v.encode()) for k, v in pairs]),
-            end_of_stream=eos,
-        )
-    )
+    return ProcessingRequest(request_headers=http_headers(pairs, end_of_stream=eos))
 
 
 def body_message(body: bytes) -> ProcessingRequest:

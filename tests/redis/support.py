@@ -21,15 +21,14 @@ from pathlib import Path
 
 import grpc
 import orjson
-from envoy.config.core.v3.base_pb2 import HeaderMap, HeaderValue
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ext_proc_grpc
 from envoy.service.ext_proc.v3.external_processor_pb2 import (
     HttpBody,
-    HttpHeaders,
     ProcessingRequest,
     ProcessingResponse,
 )
 
+from extproc.service.processor import http_headers
 from extproc.service.roles import ACCOUNTING_ROLE, ROLE_METADATA
 from tests.conftest import free_port
 
@@ -244,13 +243,6 @@ def serve_processes(
 # -- a client playing Envoy ------------------------------------------------------------------------
 
 
-def _headers(pairs: Iterable[tuple[str, str]], eos: bool = False) -> HttpHeaders:
-    return HttpHeaders(
-        headers=HeaderMap(headers=[HeaderValue(key=k, raw_value=v.encode()) for k, v in pairs]),
-        end_of_stream=eos,
-    )
-
-
 def chat_body(content: str = "hello", max_tokens: int = 16) -> bytes:
     return orjson.dumps(
         {"model": "m", "messages": [{"role": "user", "content": content}], "max_tokens": max_tokens}
@@ -308,7 +300,7 @@ async def admit(
         (":method", "POST"), (":path", "/v1/chat/completions"), (":authority", "gw"),
         ("authorization", f"Bearer {key}"), ("content-type", "application/json"),
     ]  # fmt: skip
-    await call.write(ProcessingRequest(request_headers=_headers(headers)))
+    await call.write(ProcessingRequest(request_headers=http_headers(headers)))
     reply = await asyncio.wait_for(call.read(), timeout)
     if reply.HasField("immediate_response"):
         outcome.status = reply.immediate_response.status.code
@@ -341,7 +333,9 @@ async def attach_accounting(endpoint: Endpoint, outcome: Outcome) -> None:
     call = endpoint.stub.Process(metadata=((ROLE_METADATA, ACCOUNTING_ROLE),))
     pairs = [(":method", "POST"), (":path", "/v1/chat/completions"),
              ("x-gateway-request-id", outcome.request_id)]  # fmt: skip
-    await call.write(ProcessingRequest(observability_mode=True, request_headers=_headers(pairs)))
+    await call.write(
+        ProcessingRequest(observability_mode=True, request_headers=http_headers(pairs))
+    )
     outcome.accounting = call
 
 
@@ -349,7 +343,7 @@ async def finish(outcome: Outcome, prompt_tokens: int, completion_tokens: int) -
     """The response: headers to both filters (the admission stream then closes), the body
     with usage to the accounting stream, which then ends."""
     outcome.finished_at = time.monotonic()
-    response_headers = _headers([(":status", "200"), ("content-type", "application/json")])
+    response_headers = http_headers([(":status", "200"), ("content-type", "application/json")])
     call = outcome.call
     if call is not None:
         await call.write(ProcessingRequest(response_headers=response_headers))
