@@ -219,9 +219,8 @@ class Gateway:
         if (
             self.reconciler is not None
             and pool is not None
-            and ledger is not None
-            and ledger.pending()
-            and self.scheduler.pool_inflight(pool) == 0
+            and self.scheduler.pool_inflight(pool) == 0  # cheap, and false under load
+            and self.reconciler.ledger.pending()
         ):
             self.reconciler.wake()
         if state.admission_ended_at is not None:
