@@ -42,7 +42,7 @@ class AccountingProcessor:
             message, ":status", "content-type", UPSTREAM_HEADER
         )
         self.state.upstream = upstream
-        self.state.upstream_status = int(status or 0) if (status or "0").isdigit() else 0
+        self.state.upstream_status = int(status) if status and status.isdigit() else 0
         if "text/event-stream" in (content_type or ""):
             self.sse = SseUsageParser()
         else:

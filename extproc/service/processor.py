@@ -133,11 +133,9 @@ class AdmissionProcessor:
         ]
         if state.pool is not None:
             values.append((POOL_HEADER, state.pool))
-        headers = state.headers
-        removed = [h for h in OWNED_HEADERS if h in headers]
-        if removed:
-            set_names = {name for name, _ in values}
-            removed = [h for h in removed if h not in set_names]
+        removed = [
+            h for h in OWNED_HEADERS if h in state.headers and all(h != name for name, _ in values)
+        ]
         return values, removed
 
     def on_request_headers(self, message: HttpHeaders) -> ProcessingResponse:
