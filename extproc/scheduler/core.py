@@ -924,40 +924,40 @@ class Scheduler:
         ticket = held.ticket
         in_tokens = ticket.input_tokens if actual_in is None else max(0, actual_in)
         out_tokens = ticket.max_output_tokens if actual_out is None else max(0, actual_out)
-        delta_tokens = in_tokens + out_tokens - ticket.budget
-        state = self._tenants.get(ticket.tenant)
-        if state is not None:
-            state.served_tokens += delta_tokens
-        spec = self._policy.tenant(ticket.tenant)
-        if spec is not None and delta_tokens != 0:
-            _rpm, tpm = self._buckets(ticket.tenant, spec)
-            if tpm is not None:
-                self.store.adjust(tpm, float(delta_tokens), now)
         fairness = self._policy.source.fairness
         fair_out = max(held.charged_output, held.output_seen) if actual_out is None else out_tokens
         final = fairness.input_weight * in_tokens + fairness.output_weight * fair_out
-        delta_cost = final - held.fair_charged
-        band = self._band_of(ticket.tenant, held.lease.pool)
-        if band is not None and delta_cost != 0:
-            band.fair.charge(ticket.tenant, delta_cost)
+        self._charge_difference(
+            ticket.tenant,
+            held.lease.pool,
+            in_tokens + out_tokens - ticket.budget,
+            final - held.fair_charged,
+            now,
+        )
 
     def correct_usage(self, tenant: str, pool: str, input_delta: int, output_delta: int) -> None:
         """A settled request's count turned out different (extproc.service.reconcile): move
         the tenant's token bucket and fair-share counter by the difference."""
-        delta = input_delta + output_delta
-        state = self._tenants.get(tenant)
-        if state is not None:
-            state.served_tokens += delta
-        spec = self._policy.tenant(tenant)
-        if spec is not None and delta != 0:
-            _rpm, tpm = self._buckets(tenant, spec)
-            if tpm is not None:
-                self.store.adjust(tpm, float(delta), self.clock.now())
         fairness = self._policy.source.fairness
         cost = fairness.input_weight * input_delta + fairness.output_weight * output_delta
+        self._charge_difference(tenant, pool, input_delta + output_delta, cost, self.clock.now())
+
+    def _charge_difference(
+        self, tenant: str, pool: str, delta_tokens: int, delta_cost: float, now: float
+    ) -> None:
+        """Move a tenant's served tokens, token bucket and fair-share counter by what its
+        real usage differs from what was charged."""
+        state = self._tenants.get(tenant)
+        if state is not None:
+            state.served_tokens += delta_tokens
+        spec = self._policy.tenant(tenant)
+        if spec is not None and delta_tokens != 0:
+            _rpm, tpm = self._buckets(tenant, spec)
+            if tpm is not None:
+                self.store.adjust(tpm, float(delta_tokens), now)
         band = self._band_of(tenant, pool)
-        if band is not None and cost != 0:
-            band.fair.charge(tenant, cost)
+        if band is not None and delta_cost != 0:
+            band.fair.charge(tenant, delta_cost)
 
     def pool_inflight(self, pool: str) -> int:
         """Requests admitted to the pool and not yet released."""

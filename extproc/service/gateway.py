@@ -213,8 +213,7 @@ class Gateway:
         state.usage_input, state.usage_output = input_tokens, output_tokens
         state.usage_provisional = deferred
         if not deferred:
-            self.metrics.tokens_of(tenant, "input").inc(input_tokens)
-            self.metrics.tokens_of(tenant, "output").inc(output_tokens)
+            self._count_tokens(tenant, input_tokens, output_tokens)
         self._release(state, input_tokens, output_tokens)
         if (
             self.reconciler is not None
@@ -235,13 +234,15 @@ class Gateway:
             correction.input_tokens - item.input_tokens,
             correction.output_tokens - item.output_tokens,
         )
-        self.metrics.tokens_of(item.tenant, "input").inc(correction.input_tokens)
-        self.metrics.tokens_of(item.tenant, "output").inc(correction.output_tokens)
+        self._count_tokens(item.tenant, correction.input_tokens, correction.output_tokens)
 
     def _count_cut_short(self, item: CutShort) -> None:
         """No exact count came in time: the provisional charge stands."""
-        self.metrics.tokens_of(item.tenant, "input").inc(item.input_tokens)
-        self.metrics.tokens_of(item.tenant, "output").inc(item.output_tokens)
+        self._count_tokens(item.tenant, item.input_tokens, item.output_tokens)
+
+    def _count_tokens(self, tenant: str, input_tokens: int, output_tokens: int) -> None:
+        self.metrics.tokens_of(tenant, "input").inc(input_tokens)
+        self.metrics.tokens_of(tenant, "output").inc(output_tokens)
 
     def _release(self, state: RequestState, input_tokens: int | None, output_tokens: int) -> None:
         if state.released or state.grant is None:

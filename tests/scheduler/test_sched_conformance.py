@@ -376,6 +376,23 @@ def test_release_settles_the_token_bucket(fairness: str) -> None:
     assert rejected is not None and rejected.retry_after_s == math.ceil(1510 / 100)
 
 
+
+def test_a_later_correction_moves_bucket_and_served_tokens(fairness: str) -> None:
+    policy = make_policy(
+        {"a": {"tier": "gold", "limits": {"tokens_per_minute": 6000}}}, fairness=fairness
+    )
+    sched, _clock = scheduler(policy)
+    submit_ok(sched, ticket("a", input_tokens=1000, max_output=1000))
+    [admitted] = sched.dispatch()
+    sched.release(admitted.lease.lease_id, actual_input_tokens=900, actual_output_tokens=100)
+    assert sched.snapshot()["tenants"]["a"]["buckets"]["tokens"] == 5000.0
+    # The engine's counters said 920 in and 130 out: 50 more tokens.
+    sched.correct_usage("a", "p", 20, 30)
+    assert sched.snapshot()["tenants"]["a"]["buckets"]["tokens"] == 4950.0
+    assert sched.snapshot()["tenants"]["a"]["served_tokens"] == 1050
+    sched.correct_usage("a", "p", -50, 0)  # and a refund
+    assert sched.snapshot()["tenants"]["a"]["buckets"]["tokens"] == 5000.0
+
 # --- bounded waiting ----------------------------------------------------------------------------
 
 
