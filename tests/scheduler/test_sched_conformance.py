@@ -376,7 +376,6 @@ def test_release_settles_the_token_bucket(fairness: str) -> None:
     assert rejected is not None and rejected.retry_after_s == math.ceil(1510 / 100)
 
 
-
 def test_a_later_correction_moves_bucket_and_served_tokens(fairness: str) -> None:
     policy = make_policy(
         {"a": {"tier": "gold", "limits": {"tokens_per_minute": 6000}}}, fairness=fairness
@@ -392,6 +391,7 @@ def test_a_later_correction_moves_bucket_and_served_tokens(fairness: str) -> Non
     assert sched.snapshot()["tenants"]["a"]["served_tokens"] == 1050
     sched.correct_usage("a", "p", -50, 0)  # and a refund
     assert sched.snapshot()["tenants"]["a"]["buckets"]["tokens"] == 5000.0
+
 
 # --- bounded waiting ----------------------------------------------------------------------------
 
