@@ -3,14 +3,18 @@
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
 import logging
 import sys
-from collections.abc import Callable
+from importlib.metadata import entry_points
 from pathlib import Path
 
-DEFAULT_POLICY = str(Path(__file__).resolve().parent.parent / "policies" / "default.yaml")
+from extproc.defaults import default_policy_path
+
+DEFAULT_POLICY = default_policy_path()
+# Other packages add subcommands here (the lab adds up, engine, bench, simulate): each entry
+# point is a callable(subparsers, default_policy) that adds its parsers with a `func` default.
+COMMAND_GROUP = "extproc.commands"
 
 
 def _policy_check(args: argparse.Namespace) -> int:
@@ -90,47 +94,6 @@ def _envoy_render(args: argparse.Namespace) -> int:
     return 0
 
 
-def _engine(args: argparse.Namespace) -> int:
-    from extproc.engine.cli import run
-
-    return run(args)
-
-
-def _bench(module: str) -> Callable[[argparse.Namespace], int]:
-    def run(args: argparse.Namespace) -> int:
-        result: int = importlib.import_module(f"extproc.bench.{module}").main(args)
-        return result
-
-    return run
-
-
-# scenario name -> (module under extproc.bench, help)
-BENCH_SCENARIOS = {
-    "estimator": ("estimator", "token estimation error per content category"),
-    "overhead": ("overhead", "CPU and latency cost against a do-nothing ext_proc floor"),
-    "calibrate": ("calibrate", "emulator cpu-tiny profile against a real vLLM (CPU) engine"),
-    "noisy-neighbour": (
-        "noisy",
-        "a quiet tenant beside a flooder: FIFO, token bucket, full policy",
-    ),
-    "token-fairness": ("fairness", "request-count vs token (DRR, VTC) fairness: Jain, service gap"),
-    "tiers": ("tiers", "premium vs standard tenants over capacity: TTFT, weighted shares, waits"),
-    "scaleout": ("scaleout", "admissions/s and latency with 1, 2, 4 processes, memory vs Redis"),
-}
-
-
-def _simulate(args: argparse.Namespace) -> int:
-    from extproc.sim.cli import main as run_simulate
-
-    return run_simulate(args)
-
-
-def _up(args: argparse.Namespace) -> int:
-    from extproc.up import run_up
-
-    return run_up(args)
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="extproc", description=__doc__)
     parser.add_argument("--log-level", default="INFO")
@@ -170,30 +133,8 @@ def build_parser() -> argparse.ArgumentParser:
     render.add_argument("-o", "--output")
     render.set_defaults(func=_envoy_render)
 
-    engine = commands.add_parser("engine", help="run an emulated vLLM engine")
-    from extproc.engine.cli import add_arguments
-
-    add_arguments(engine)
-    engine.set_defaults(func=_engine)
-
-    bench = commands.add_parser("bench", help="benchmarks (results saved as JSON and PNG)")
-    scenarios = bench.add_subparsers(dest="scenario", required=True)
-    for name, (module, help_text) in BENCH_SCENARIOS.items():
-        scenario = scenarios.add_parser(name, help=help_text)
-        importlib.import_module(f"extproc.bench.{module}").add_arguments(scenario)
-        scenario.set_defaults(func=_bench(module))
-
-    simulate = commands.add_parser("simulate", help="offline simulation and capacity planning")
-    from extproc.sim.cli import add_arguments as add_simulate_arguments
-
-    add_simulate_arguments(simulate)
-    simulate.set_defaults(func=_simulate)
-
-    up = commands.add_parser("up", help="run Envoy, the service and emulated engines together")
-    from extproc.up import add_arguments as add_up_arguments
-
-    add_up_arguments(up, DEFAULT_POLICY)
-    up.set_defaults(func=_up)
+    for entry in sorted(entry_points(group=COMMAND_GROUP), key=lambda e: e.name):
+        entry.load()(commands, DEFAULT_POLICY)
     return parser
 
 

@@ -490,11 +490,11 @@ def run(args: argparse.Namespace) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """`python -m extproc.service.main`: the same service, with every flag."""
-    from extproc.cli import DEFAULT_POLICY
+    from extproc.defaults import default_policy_path
 
     parser = argparse.ArgumentParser(prog="extproc serve", description=__doc__.split("\n")[0])
     parser.add_argument("--log-level", default="INFO")
-    add_arguments(parser, DEFAULT_POLICY)
+    add_arguments(parser, default_policy_path())
     args = parser.parse_args(argv)
     configure_logging(args.log_format, str(args.log_level).upper())
     return run(args)

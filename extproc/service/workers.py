@@ -333,10 +333,10 @@ def run_workers(args: argparse.Namespace) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """`python -m extproc.service.workers`: the supervisor with the serve flags it passes on."""
-    from extproc.cli import DEFAULT_POLICY
+    from extproc.defaults import default_policy_path
 
     parser = argparse.ArgumentParser(prog="extproc serve --workers N")
-    parser.add_argument("--policy", default=DEFAULT_POLICY)
+    parser.add_argument("--policy", default=default_policy_path())
     parser.add_argument("--grpc", default="127.0.0.1:50051")
     parser.add_argument("--admin", default="127.0.0.1:9090")
     parser.add_argument("--drain-grace", type=float, default=None)

@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from extproc.bench import fairness, noisy, tiers
+from gateway_lab.bench import fairness, noisy, tiers
 
 pytestmark = [pytest.mark.smoke, pytest.mark.dataplane]
 
@@ -87,7 +87,7 @@ def test_tiers_quick(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None
 
 
 def test_overhead_quick(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    from extproc.bench import overhead
+    from gateway_lab.bench import overhead
 
     out, data, printed = _run(overhead, tmp_path, capsys)
     _png(out / "overhead.png")

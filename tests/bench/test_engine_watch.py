@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from extproc.engine.server import running_engine
 from extproc.policy import policy_from_text
 from extproc.scheduler import ManualClock, Scheduler
 from extproc.scheduler.adaptive import AdaptiveSettings, EngineCapacities
 from extproc.service.engine_watch import EngineWatcher, parse_engine_metrics, pool_sample
+from gateway_lab.engine.server import running_engine
 
 PAGE = """\
 # HELP vllm:num_requests_running Number of requests in model execution batches.

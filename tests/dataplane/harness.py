@@ -8,7 +8,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from extproc.policy import Policy, load_policy
-from extproc.up import Stack, StackConfig, build_stack, wait_ready
+from gateway_lab.processes import Stack
+from gateway_lab.up import StackConfig, build_stack, wait_ready
 from tests.conftest import free_port
 
 ACTIVE_STACKS: list[Stack] = []

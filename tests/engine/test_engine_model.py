@@ -8,8 +8,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from extproc.engine.model import EngineCore, StepResult
-from extproc.engine.profiles import EngineProfile
+from gateway_lab.engine.model import EngineCore, StepResult
+from gateway_lab.engine.profiles import EngineProfile
 
 ROUND = EngineProfile(
     name="round",

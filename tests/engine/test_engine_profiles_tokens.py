@@ -6,10 +6,10 @@ import argparse
 
 import pytest
 
-from extproc.engine import cli
-from extproc.engine.model import EngineCore
-from extproc.engine.profiles import PROFILES, get_profile
-from extproc.engine.tokens import (
+from gateway_lab.engine import cli
+from gateway_lab.engine.model import EngineCore
+from gateway_lab.engine.profiles import PROFILES, get_profile
+from gateway_lab.engine.tokens import (
     MESSAGE_OVERHEAD_TOKENS,
     PromptError,
     chat_prompt_tokens,

@@ -13,9 +13,9 @@ import aiohttp
 import orjson
 import pytest
 
-from extproc.engine.profiles import get_profile
-from extproc.engine.server import DEFAULT_MODEL, EngineServer, running_engine
-from extproc.engine.tokens import MESSAGE_OVERHEAD_TOKENS, output_text, text_tokens
+from gateway_lab.engine.profiles import get_profile
+from gateway_lab.engine.server import DEFAULT_MODEL, EngineServer, running_engine
+from gateway_lab.engine.tokens import MESSAGE_OVERHEAD_TOKENS, output_text, text_tokens
 
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
@@ -342,7 +342,7 @@ async def test_module_entry_point_serves() -> None:
     proc = await asyncio.create_subprocess_exec(
         sys.executable,
         "-m",
-        "extproc.engine",
+        "gateway_lab.engine",
         "--port",
         "0",
         "--profile",

@@ -15,7 +15,7 @@ from extproc.policy import Policy, policy_from_text
 from extproc.scheduler import Ticket
 from extproc.service.gateway import Gateway
 from extproc.service.server import start_grpc_server
-from extproc.sim.replay import ReplayArrival, replay_admissions
+from gateway_lab.sim.replay import ReplayArrival, replay_admissions
 from tests.conftest import TEST_KEYS, policy_yaml
 from tests.grpc.test_extproc_stream import EnvoyPeer, body_message, headers_message
 

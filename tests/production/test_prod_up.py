@@ -9,7 +9,8 @@ import time
 from pathlib import Path
 
 from extproc.policy import load_policy
-from extproc.up import STOP_FIRST, STOP_LAST, Child, Stack, StackConfig, build_stack
+from gateway_lab.processes import STOP_FIRST, STOP_LAST, Child, Stack
+from gateway_lab.up import StackConfig, build_stack
 from tests.conftest import policy_yaml
 from tests.production.support import wait_for
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from extproc.bench import scaleout
+from gateway_lab.bench import scaleout
 from tests.redis.support import RedisServer
 
 pytestmark = [pytest.mark.redis, pytest.mark.smoke]

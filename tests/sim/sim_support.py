@@ -5,12 +5,12 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from extproc.engine.profiles import EngineProfile
 from extproc.policy import Policy, policy_from_text
-from extproc.sim.fleet import PoolEngines
-from extproc.sim.simulator import SimConfig, SimResult, simulate
-from extproc.sim.slo import Slo
-from extproc.sim.trace import TraceRequest
+from gateway_lab.engine.profiles import EngineProfile
+from gateway_lab.sim.fleet import PoolEngines
+from gateway_lab.sim.simulator import SimConfig, SimResult, simulate
+from gateway_lab.sim.slo import Slo
+from gateway_lab.sim.trace import TraceRequest
 
 # Round numbers so that hand-computed step times are easy to check.
 HAND = EngineProfile(

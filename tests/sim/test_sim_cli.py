@@ -1,4 +1,4 @@
-"""`python -m extproc.sim` / `extproc simulate [plan]` on small synthetic files."""
+"""`python -m gateway_lab.sim` / `extproc simulate [plan]` on small synthetic files."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from extproc.sim.cli import add_arguments, main, run
+from gateway_lab.sim.cli import add_arguments, main, run
 
 POLICY = """version: 1
 tiers: [gold, silver]

@@ -12,12 +12,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from sim_support import make_policy, req, run
 
-from extproc.sim.records import RequestRecord
-from extproc.sim.simulator import SimResult
-from extproc.sim.slo import Slo
-from extproc.sim.stats import report
-from extproc.sim.trace import TraceRequest
 from extproc.types import Outcome
+from gateway_lab.sim.records import RequestRecord
+from gateway_lab.sim.simulator import SimResult
+from gateway_lab.sim.slo import Slo
+from gateway_lab.sim.stats import report
+from gateway_lab.sim.trace import TraceRequest
 
 TENANTS: dict[str, dict[str, Any]] = {
     "a": {"tier": "gold", "limits": {"requests_per_minute": 120, "max_queued": 4}},

@@ -12,10 +12,10 @@ from collections.abc import Sequence
 import pytest
 from sim_support import HAND, make_policy, req, run
 
-from extproc.engine.model import EngineCore
-from extproc.sim.replicas import BALANCES
-from extproc.sim.simulator import SimResult
 from extproc.types import Outcome
+from gateway_lab.engine.model import EngineCore
+from gateway_lab.sim.replicas import BALANCES
+from gateway_lab.sim.simulator import SimResult
 
 PREFILL_100 = 0.010 + 0.0001 * 100 + 0.00001 * 100  # 21 ms
 

@@ -5,12 +5,12 @@ from __future__ import annotations
 import pytest
 from sim_support import req
 
-from extproc.engine.profiles import EngineProfile
-from extproc.sim.fleet import profile_for_context
-from extproc.sim.plan import PlanConfig, next_power_of_two, plan_capacity
-from extproc.sim.search import smallest_passing
-from extproc.sim.slo import Slo
-from extproc.sim.throughput import saturation_throughput
+from gateway_lab.engine.profiles import EngineProfile
+from gateway_lab.sim.fleet import profile_for_context
+from gateway_lab.sim.plan import PlanConfig, next_power_of_two, plan_capacity
+from gateway_lab.sim.search import smallest_passing
+from gateway_lab.sim.slo import Slo
+from gateway_lab.sim.throughput import saturation_throughput
 
 # Every step takes exactly 10 ms whatever it holds; 4096 KV tokens per engine.
 FLAT = EngineProfile(

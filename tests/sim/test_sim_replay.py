@@ -7,8 +7,8 @@ from typing import Any
 from sim_support import make_policy
 
 from extproc.scheduler import ManualClock, Scheduler, Ticket
-from extproc.sim.replay import ReplayArrival, replay_admissions
 from extproc.types import Outcome
+from gateway_lab.sim.replay import ReplayArrival, replay_admissions
 
 TENANTS: dict[str, dict[str, Any]] = {
     "g": {"tier": "gold"},

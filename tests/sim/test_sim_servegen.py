@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from sim_support import make_policy
 
-from extproc.sim.servegen import generate, load_clients, pick_clients, scenario_policy
+from gateway_lab.sim.servegen import generate, load_clients, pick_clients, scenario_policy
 
 SUMMARY_HEADER = (
     "model,client_id,has_dataset,expected_requests_total,active_10min_windows,"

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 from sim_support import req, run
 
-from extproc.sim.slo import Slo
-from extproc.sim.stats import distribution, percentile, report
+from gateway_lab.sim.slo import Slo
+from gateway_lab.sim.stats import distribution, percentile, report
 
 
 def test_percentile_interpolates_like_numpy() -> None:

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from extproc.sim.tenants import assign_tenants, parse_weights
-from extproc.sim.trace import TraceError, TraceRequest, read_trace, shape_trace, write_trace
+from gateway_lab.sim.tenants import assign_tenants, parse_weights
+from gateway_lab.sim.trace import TraceError, TraceRequest, read_trace, shape_trace, write_trace
 
 AZURE = """TIMESTAMP,ContextTokens,GeneratedTokens
 2023-11-16 18:15:46.6805900,374,44

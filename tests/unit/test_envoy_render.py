@@ -10,7 +10,7 @@ import pytest
 
 from extproc.envoy_config import RenderOptions, render_bootstrap
 from extproc.policy import load_policy, policy_from_text
-from extproc.up import envoy_binary
+from gateway_lab.processes import envoy_binary
 from tests.conftest import policy_yaml
 
 REPO = Path(__file__).resolve().parents[2]

@@ -9,7 +9,6 @@ from pathlib import Path
 import orjson
 import pytest
 
-from extproc.bench import estimator as bench
 from extproc.estimation import (
     CATEGORIES,
     PRIOR_BYTES_PER_TOKEN,
@@ -19,6 +18,7 @@ from extproc.estimation import (
 )
 from extproc.openai_request import CHAT_PATH, PromptParts, parse_inference_request
 from extproc.policy.model import Estimation
+from gateway_lab.bench import estimator as bench
 
 PROSE = (
     "The committee met on a rainy Tuesday to discuss the future of the old library. Several "

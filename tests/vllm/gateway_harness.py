@@ -1,7 +1,7 @@
 """The real stack with real vLLM pools: Envoy binary, ext_proc service, one vLLM server per pool.
 
 Like tests/dataplane/harness.py, but the emulated engines of `extproc up`'s stack are replaced by
-:func:`extproc.vllm_cpu.stack.vllm_children`. Envoy and the service run from this interpreter;
+:func:`gateway_lab.vllm_cpu.stack.vllm_children`. Envoy and the service run from this interpreter;
 the engines from ``$EXTPROC_VLLM_PYTHON`` or this interpreter.
 """
 
@@ -16,10 +16,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from extproc.policy import Policy
-from extproc.up import Stack, StackConfig, build_stack, wait_ready
-from extproc.vllm_cpu.launcher import vllm_python
-from extproc.vllm_cpu.model_builder import default_cache_dir
-from extproc.vllm_cpu.stack import (
+from gateway_lab.processes import Stack
+from gateway_lab.up import StackConfig, build_stack, wait_ready
+from gateway_lab.vllm_cpu.launcher import vllm_python
+from gateway_lab.vllm_cpu.model_builder import default_cache_dir
+from gateway_lab.vllm_cpu.stack import (
     VllmChild,
     build_model,
     engine_specs,

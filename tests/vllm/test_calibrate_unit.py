@@ -1,4 +1,4 @@
-"""extproc.bench.calibrate without vLLM: parsing, comparison, report, and a tiny emulated run."""
+"""gateway_lab.bench.calibrate without vLLM: parsing, comparison, report, a tiny emulated run."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from extproc.bench import calibrate
-from extproc.bench.calibrate import EngineResult, InterferenceResult, LevelResult, Timing
+from gateway_lab.bench import calibrate
+from gateway_lab.bench.calibrate import EngineResult, InterferenceResult, LevelResult, Timing
 
 
 def _level(c: int, ttft: float, itl: float, engine_ttft: float) -> LevelResult:

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from extproc.vllm_cpu.launcher import (
+from gateway_lab.vllm_cpu.launcher import (
     LONG_POOL,
     SHORT_POOL,
     VllmStartError,
@@ -22,7 +22,7 @@ from extproc.vllm_cpu.launcher import (
     vllm_env,
     wait_ready,
 )
-from extproc.vllm_cpu.model_builder import (
+from gateway_lab.vllm_cpu.model_builder import (
     SPECIAL_TOKENS,
     _split_pattern,
     is_built,

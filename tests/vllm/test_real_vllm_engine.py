@@ -14,14 +14,14 @@ from typing import Any
 
 import pytest
 
-from extproc.vllm_cpu.launcher import (
+from gateway_lab.vllm_cpu.launcher import (
     SHORT_POOL,
     VllmServer,
     VllmStartError,
     free_port,
     start_server,
 )
-from extproc.vllm_cpu.model_builder import build_tiny_model, default_cache_dir
+from gateway_lab.vllm_cpu.model_builder import build_tiny_model, default_cache_dir
 
 pytestmark = pytest.mark.vllm
 

@@ -1,4 +1,4 @@
-"""extproc.vllm_cpu.stack without vLLM: engine shapes, commands, readiness, stopping (fast)."""
+"""gateway_lab.vllm_cpu.stack without vLLM: engine shapes, commands, readiness, stopping (fast)."""
 
 from __future__ import annotations
 
@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 
 from extproc.policy import Policy, load_policy
-from extproc.up import Child, Stack
-from extproc.vllm_cpu import stack as vstack
-from extproc.vllm_cpu.launcher import ACCEPT_ANY_MODEL_ENV, VllmStartError
-from extproc.vllm_cpu.model_builder import DEFAULT_SPEC, MARKER_FILE, _marker_text, model_dir
+from gateway_lab.processes import Child, Stack
+from gateway_lab.vllm_cpu import stack as vstack
+from gateway_lab.vllm_cpu.launcher import ACCEPT_ANY_MODEL_ENV, VllmStartError
+from gateway_lab.vllm_cpu.model_builder import DEFAULT_SPEC, MARKER_FILE, _marker_text, model_dir
 from tests.conftest import free_port, policy_yaml
 
 

