@@ -1,7 +1,7 @@
 """Render an Envoy bootstrap for a policy: listener, ext_proc filters, one cluster per pool.
 
-Settings come from facts verified on Envoy 1.40 (DESIGN.md section 3): a held request needs
-`override_message_timeout` within `max_message_timeout`, a `stream_idle_timeout` above the longest
+Settings come from facts verified on Envoy 1.40 (ARCHITECTURE.md, "Envoy facts"): a held
+request needs `override_message_timeout` within `max_message_timeout`, a `stream_idle_timeout` above the longest
 queue wait, raised circuit breakers on the ext_proc cluster and HTTP/2 keepalive >= 30 s.
 """
 
@@ -160,7 +160,8 @@ def _cluster(name: str, endpoints: list[str], http2: bool) -> Cluster:
         ),
     )
     if http2:
-        # Keepalive pings below ~30 s make grpc-core close the connection (DESIGN.md section 3).
+        # Keepalive pings below ~30 s make grpc-core close the connection
+        # (ARCHITECTURE.md, "Envoy facts").
         options = UpstreamHttpProtocolOptions(
             explicit_http_config=HttpProtocolOptionsExplicitHttpConfig(
                 http2_protocol_options=Http2ProtocolOptions(

@@ -52,7 +52,7 @@ log = logging.getLogger(__name__)
 CATEGORIES: tuple[str, ...] = ("prose", "chat", "code", "json", "cjk", "kana", "other")
 PROSE, CHAT, CODE, JSON, CJK, KANA, OTHER = range(len(CATEGORIES))
 
-# Measured with cl100k on real text (DESIGN.md section 2, ../shared/data/README.md); "kana"
+# Measured with cl100k on real text (docs/estimation.md); "kana"
 # from Japanese chat (ASDC: 2.87 for whole texts, about 3.0 for the kana alone); "other" from
 # a handful of Cyrillic, Greek, Arabic and Devanagari sentences (2.1..3.5).
 PRIOR_BYTES_PER_TOKEN: dict[str, float] = {

@@ -2,8 +2,8 @@
 
 Too low a limit starves the engines' batches (throughput falls below plain FIFO); too high a
 limit lets an engine queue requests first-come first-served again, which undoes fairness at
-the door (DESIGN.md section 2). So the pool's *soft* limit follows two signals that vLLM
-publishes on `/metrics`, summed or maxed over the pool's engines:
+the door (docs/benchmarks.md, noisy neighbour). So the pool's *soft* limit follows two
+signals that vLLM publishes on `/metrics`, summed or maxed over the pool's engines:
 
 * `vllm:num_requests_waiting`: requests an engine accepted but could not schedule. It must
   stay near zero. A request that arrives during a step waits for that step to end, so a few

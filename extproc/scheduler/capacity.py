@@ -1,6 +1,6 @@
 """How much work a pool takes at once: a small component the scheduler asks before dispatch.
 
-Two request limits, a *soft* one and a *hard* one (DESIGN.md section 2, "Beating 1.14x"):
+Two request limits, a *soft* one and a *hard* one (docs/benchmarks.md, noisy neighbour):
 
 * below the soft limit anyone may be dispatched, in tier and fair-share order;
 * between the soft and the hard limit (the *headroom*) only tenants below their fair share of

@@ -1,6 +1,6 @@
 """The admission scheduler: pure, deterministic, driven by an injected clock.
 
-Layers, in order (DESIGN.md section 1):
+Layers, in order (ARCHITECTURE.md, "Admission order"):
 
 a. rate limits at submit (requests/min and tokens/min buckets, max_queued); max_concurrency
    holds requests in the queue;
@@ -54,8 +54,8 @@ Design decisions:
   dispatch; streamed output above the reservation is charged as it arrives
   (`charge_output`); `release` with actuals settles the difference (refund or debit) into both
   the fair share and the tokens-per-minute bucket.
-* Headroom (DESIGN.md section 2): a tenant's fair share of a pool is its weight over the summed
-  weights of the tenants active in the pool (queued or admitted), all tiers together, of the
+* Headroom (docs/benchmarks.md, noisy neighbour): a tenant's fair share of a pool is its
+  weight over the summed weights of the tenants active in the pool (queued or admitted), all tiers together, of the
   pool's admitted work in tokens (budgets). Once the soft limit is full, a queued tenant whose
   whole demand (admitted + queued budgets) is within that share -- a light tenant, which a
   max-min fair allocation would serve in full -- may still go, in tier then fair-share order,

@@ -20,7 +20,7 @@ from extproc.service.roles import ACCOUNTING_ROLE, ROLE_METADATA
 
 log = logging.getLogger("extproc.server")
 
-# Defaults that break under a burst of held requests (DESIGN.md section 3).
+# Defaults that break under a burst of held requests (ARCHITECTURE.md, "Envoy facts").
 GRPC_SERVER_OPTIONS: list[tuple[str, int]] = [
     ("grpc.max_concurrent_streams", 100_000),
     ("grpc.server.max_pending_requests", 100_000),

@@ -17,7 +17,7 @@ FIFO they queue inside the engine). One emulated A100 / Llama-3.1-8B engine
 
 For each arm: the quiet tenant's P50/P99 time to the first streamed SSE data chunk and their
 ratio to "alone" on the same path, the flooder's and the total output tokens/s and the total
-against FIFO. The target (DESIGN.md section 2) is a full-policy P99 ratio <= 1.10 with a total
+against FIFO. The target (docs/benchmarks.md) is a full-policy P99 ratio <= 1.10 with a total
 throughput >= 95% of FIFO.
 
 `extproc bench noisy-neighbour [--out results/noisy-neighbour] [--quick]`
