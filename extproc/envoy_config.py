@@ -1,8 +1,9 @@
 """Render an Envoy bootstrap for a policy: listener, ext_proc filters, one cluster per pool.
 
 Settings come from facts verified on Envoy 1.40 (ARCHITECTURE.md, "Envoy facts"): a held
-request needs `override_message_timeout` within `max_message_timeout`, a `stream_idle_timeout` above the longest
-queue wait, raised circuit breakers on the ext_proc cluster and HTTP/2 keepalive >= 30 s.
+request needs `override_message_timeout` within `max_message_timeout`, a
+`stream_idle_timeout` above the longest queue wait, raised circuit breakers on the ext_proc
+cluster and HTTP/2 keepalive >= 30 s.
 """
 
 from __future__ import annotations

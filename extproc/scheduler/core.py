@@ -55,8 +55,9 @@ Design decisions:
   (`charge_output`); `release` with actuals settles the difference (refund or debit) into both
   the fair share and the tokens-per-minute bucket.
 * Headroom (docs/benchmarks.md, noisy neighbour): a tenant's fair share of a pool is its
-  weight over the summed weights of the tenants active in the pool (queued or admitted), all tiers together, of the
-  pool's admitted work in tokens (budgets). Once the soft limit is full, a queued tenant whose
+  weight over the summed weights of the tenants active in the pool (queued or admitted), all
+  tiers together, of the pool's admitted work in tokens (budgets). Once the soft limit is full,
+  a queued tenant whose
   whole demand (admitted + queued budgets) is within that share -- a light tenant, which a
   max-min fair allocation would serve in full -- may still go, in tier then fair-share order,
   until the hard limit. So a quiet tenant does not wait for a whole request of the tenant that

@@ -78,7 +78,7 @@ class RequestState:
 
 
 def header_map(headers: HttpHeaders) -> dict[str, str]:
-    """Envoy sends values in raw_value (bytes); `value` is empty (ARCHITECTURE.md, "Envoy facts")."""
+    """Envoy sends values in raw_value (bytes); `value` is empty (ARCHITECTURE.md)."""
     return {h.key: h.raw_value.decode("utf-8", "replace") for h in headers.headers.headers}
 
 
