@@ -5,7 +5,9 @@ from __future__ import annotations
 from extproc.policy import policy_from_text
 from extproc.scheduler import ManualClock, Scheduler
 from extproc.scheduler.adaptive import AdaptiveSettings, EngineCapacities
-from extproc.service.engine_watch import EngineWatcher, parse_engine_metrics, pool_sample
+from extproc.service.engine_metrics import parse_engine_metrics
+from extproc.service.engine_poller import EnginePoller
+from extproc.service.engine_watch import EngineWatcher, pool_sample
 from gateway_lab.engine.server import running_engine
 
 PAGE = """\
@@ -58,14 +60,16 @@ pools:
         for _ in range(4):
             capacity.acquire(10)  # the limit binds
         changes: list[int] = []
+        poller = EnginePoller()
         watcher = EngineWatcher(
             capacities,
             lambda: {"p": [endpoint], "static": ["127.0.0.1:1"]},
             clock,
             lambda: changes.append(capacity.soft_limit()),
+            poller,
         )
         samples = await watcher.poll_once()
-        await watcher.stop()
+        await poller.stop()
         assert samples["p"].waiting == 0 and samples["p"].engines == 1
         assert changes == [5]
         assert watcher.failures == 0
@@ -86,9 +90,10 @@ pools:
     capacities = EngineCapacities({"p": AdaptiveSettings(initial_inflight=4)})
     clock = ManualClock(0.0)
     Scheduler(policy, clock, capacity_factory=capacities.factory)
+    poller = EnginePoller()
     watcher = EngineWatcher(
-        capacities, lambda: {"p": ["127.0.0.1:9"]}, clock, lambda: None, timeout_s=0.5
+        capacities, lambda: {"p": ["127.0.0.1:9"]}, clock, lambda: None, poller, timeout_s=0.5
     )
     assert await watcher.poll_once() == {}
-    await watcher.stop()
+    await poller.stop()
     assert watcher.failures == 1 and capacities.adaptive["p"].soft_limit() == 4
