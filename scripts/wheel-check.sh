@@ -21,9 +21,9 @@ step() { echo "wheel-check: $*"; }
 # build/ folder or local artefacts in the checkout cannot end up in the wheel.
 step "building the wheel"
 mkdir "$work/src" "$work/dist"
-(cd "$repo" && git ls-files -z --cached --others --exclude-standard) \
-  | (cd "$repo" && xargs -0 tar -cf - --ignore-failed-read 2>/dev/null) \
-  | tar -xf - -C "$work/src"
+(cd "$repo" && git ls-files -z --cached --others --exclude-standard \
+  | xargs -0 tar -cf - --ignore-failed-read 2>/dev/null) \
+  | tar -xf - -C "$work/src" || fail "copying the checkout's files (is it a git work tree?)"
 (cd "$work/src" && timeout 600 "$PYTHON" -m pip wheel --quiet --no-deps -w "$work/dist" .) \
   || fail "pip wheel"
 wheels=("$work"/dist/*.whl)
