@@ -120,5 +120,6 @@ class EngineWatcher:
         return samples
 
     async def poll_once(self) -> dict[str, EngineSample]:
-        """Read every adaptive pool's engines now and feed the samples."""
+        """Read every adaptive pool's engines now and feed the samples (without `start`: once
+        subscribed, the poller's ticks feed it)."""
         return self.deliver(await self.poller.read(self.wanted()))

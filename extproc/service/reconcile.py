@@ -273,5 +273,6 @@ class Reconciler:
         return applied
 
     async def run_once(self) -> int:
-        """Read every engine that needs it whose pool is idle, now; returns corrections applied."""
+        """Read every engine that needs it whose pool is idle, now; returns corrections applied.
+        For before `start`: once subscribed, the poller's ticks feed it."""
         return self.deliver(await self.poller.read(self.wanted()))
