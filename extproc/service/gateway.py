@@ -25,6 +25,7 @@ from extproc.metrics import UNKNOWN_TENANT, Metrics
 from extproc.policy import Policy
 from extproc.scheduler import MonotonicClock
 from extproc.scheduler.adaptive import EngineCapacities
+from extproc.service.engine_poller import EnginePoller
 from extproc.service.reconcile import (
     Correction,
     CutShort,
@@ -57,6 +58,8 @@ class Gateway:
         self.estimator = TokenEstimator(policy.source.estimation)
         # Pools with an `adaptive` section get a limit the engine watcher moves.
         self.capacities = EngineCapacities()
+        # One reader of the engines' /metrics for the engine watcher and the reconciler.
+        self.engine_poller = EnginePoller()
         self.scheduler, self.admission = build_admission(
             policy, self.clock, self.metrics, capacity_factory=self.capacities.factory
         )
@@ -86,7 +89,7 @@ class Gateway:
                 give_up=self._count_cut_short,
                 now=time.monotonic,
             )
-            self.reconciler = Reconciler(self.ledger, hooks)
+            self.reconciler = Reconciler(self.ledger, hooks, self.engine_poller)
             # Take the engines' bases now (they are idle before the first request), so cut-short
             # streams are corrected from the start; an engine not up yet is read later.
             with contextlib.suppress(TimeoutError):
@@ -94,8 +97,7 @@ class Gateway:
             self.reconciler.start()
 
     async def close(self) -> None:
-        if self.reconciler is not None:
-            await self.reconciler.stop()
+        await self.engine_poller.stop()
         await self.admission.close()
 
     def _track_engines(self, policy: Policy) -> None:

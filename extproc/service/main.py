@@ -353,6 +353,7 @@ class Service:
             lambda: {name: list(pool.endpoints) for name, pool in gateway.policy.pools.items()},
             gateway.clock,
             gateway.admission.pump,
+            gateway.engine_poller,
         )
         self.engine_watch.start()
         self.server, self.grpc_port = await start_grpc_server(gateway, options.grpc)
@@ -433,7 +434,7 @@ class Service:
 
     async def close(self) -> None:
         if self.engine_watch is not None:
-            await self.engine_watch.stop()
+            self.engine_watch.stop()
         if self.reloader is not None:
             await self.reloader.stop()
         if self.server is not None and not self.admin.draining:

@@ -199,7 +199,7 @@ async def wait_engines_idle(endpoints: Sequence[str], timeout_s: float = _IDLE_W
 
 
 async def engine_reading(session: aiohttp.ClientSession, endpoint: str) -> dict[str, float] | None:
-    from extproc.service.engine_watch import parse_engine_metrics
+    from extproc.service.engine_metrics import parse_engine_metrics
 
     try:
         async with session.get(f"http://{endpoint}/metrics") as response:

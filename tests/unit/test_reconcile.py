@@ -5,7 +5,7 @@ from __future__ import annotations
 from hypothesis import given
 from hypothesis import strategies as st
 
-from extproc.service.engine_watch import EngineReading, parse_engine_metrics
+from extproc.service.engine_metrics import EngineReading, parse_engine_metrics
 from extproc.service.reconcile import CutShort, EngineLedger, _apportion
 
 ENGINE = "127.0.0.1:8001"
