@@ -2,10 +2,11 @@
 
 Layers, in order (ARCHITECTURE.md, "Admission order"):
 
-a. rate limits at submit (requests/min and tokens/min buckets, max_queued); max_concurrency
-   holds requests in the queue;
+a. rate limits at submit (a bucket per limit dimension: requests/min, tokens/min; max_queued);
+   max_concurrency holds requests in the queue;
 b. strict tier priority per pool;
-c. token-weighted fair share between the tenants of a tier (DRR or VTC), per pool;
+c. token-weighted fair share between the tenants of a tier (a registered policy: DRR, VTC),
+   per pool;
 d. inside a tenant: priority, then deadline, then arrival, then sequence number;
 e. pool capacity (requests and tokens in flight), leases released exactly once; above the
    pool's soft request limit, up to its hard limit (the headroom), only tenants below their
@@ -70,10 +71,12 @@ Design decisions:
   lower bound, so only requests that are doomed even in the best case are shed.
 * Retry-After: the rules and constants are pure functions in extproc.scheduler.retry_after.
 
-The parts, each owning its state: `live` (pools, tenants, entries, leases, band membership),
-`queues` (tenant queues and timers), `ratelimit` (limit dimensions as data), `dispatch`,
-`leases`, `estimates` (drain-rate shedding), `policy_update`, `snapshot`, `fairness` (the
-registered fair-share policies). `Scheduler` is the facade the adapters drive.
+The parts behind this facade: `live` (the shared state: pools, tenants, queued entries,
+leases, and band membership kept in step with the queues), `queues` (tenant order, the wait,
+deadline and lease timers), `ratelimit` (the limit dimensions as data, the buckets),
+`dispatch` (who goes next, headroom), `leases` (admit, settle, free), `estimates` (drain-rate
+shedding and Retry-After inputs), `retry_after`, `policy_update`, `snapshot`, `rejections`,
+and `fairness` (the fair-share policies, registered by name).
 """
 
 from __future__ import annotations

@@ -91,8 +91,9 @@ def backlog_retry_after(
     live: Live, pool: PoolState, rank: int, wait_limit: float, now: float
 ) -> int:
     """Retry-After for a request of this tier turned away from the pool (expired, shed)."""
-    backlog = queued_ahead_by_rank(live, pool)[rank + 1]
-    return retry_after.after_backlog(backlog, pool.drain.rate(now), wait_limit)
+    rate = pool.drain.rate(now)
+    backlog = 0 if rate is None else queued_ahead_by_rank(live, pool)[rank + 1]
+    return retry_after.after_backlog(backlog, rate, wait_limit)
 
 
 def ticket_retry_after(live: Live, ticket: Ticket, wait_limit: float, now: float) -> int:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import NamedTuple
 
 from extproc.scheduler.types import Lease, Ticket
@@ -57,5 +57,5 @@ class LeaseState:
     """Output tokens already charged to the fair share (the reservation, then what streamed)."""
     fair_charged: float
     output_seen: int = 0
-    entry: QueueEntry | None = field(default=None)
+    entry: QueueEntry | None = None
     """The queue entry it came from, kept so that `requeue` can put it back."""
