@@ -44,8 +44,22 @@ def _token_budget(ticket: Ticket) -> float:
 
 
 DIMENSIONS: tuple[LimitDimension, ...] = (
-    LimitDimension("requests", "requests_per_minute", 60.0, _one_request, False, "requests"),
-    LimitDimension("tokens", "tokens_per_minute", 60.0, _token_budget, True, "tokens"),
+    LimitDimension(
+        name="requests",
+        policy_field="requests_per_minute",
+        period_s=60.0,
+        cost=_one_request,
+        settles_on_usage=False,
+        header_suffix="requests",
+    ),
+    LimitDimension(
+        name="tokens",
+        policy_field="tokens_per_minute",
+        period_s=60.0,
+        cost=_token_budget,
+        settles_on_usage=True,
+        header_suffix="tokens",
+    ),
 )
 """In the order `submit` takes them."""
 

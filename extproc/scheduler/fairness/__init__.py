@@ -19,19 +19,21 @@ FAIRNESS_POLICIES: Mapping[str, type[RegisteredFairness]] = {
 }
 
 
+def _registered(name: str) -> type[RegisteredFairness]:
+    found = FAIRNESS_POLICIES.get(name)
+    if found is None:
+        raise ValueError(f"unknown fairness policy {name!r}")
+    return found
+
+
 def fairness_from_settings(settings: Fairness) -> FairnessPolicy:
     """A fresh policy object for one band, as the policy file's `fairness` section says."""
-    found = FAIRNESS_POLICIES.get(settings.policy)
-    if found is None:
-        raise ValueError(f"unknown fairness policy {settings.policy!r}")
-    return found.from_settings(settings)
+    return _registered(settings.policy).from_settings(settings)
 
 
 def make_fairness(policy: str, quantum: float) -> FairnessPolicy:
-    found = FAIRNESS_POLICIES.get(policy)
-    if found is None:
-        raise ValueError(f"unknown fairness policy {policy!r}")
-    return found.from_settings(Fairness.model_validate({"quantum": quantum}))
+    """A policy by name with default settings but for the DRR quantum (tests, tools)."""
+    return _registered(policy).from_settings(Fairness.model_validate({"quantum": quantum}))
 
 
 __all__ = [

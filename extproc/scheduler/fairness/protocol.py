@@ -5,7 +5,7 @@ so the state is effectively per (pool, tenant). "Backlogged" here means: the ten
 requests for this pool *and* is not held back by its own concurrency limit, i.e. it competes for
 the pool right now. Costs are in token units: `input_weight * input + output_weight * output`.
 
-Both policies expose the same interface:
+Every registered policy (extproc.scheduler.fairness.FAIRNESS_POLICIES) has this interface:
 
 * `on_backlogged(tenant, weight)` / `on_idle(tenant)`: membership changes;
 * `pick(candidates)`: the tenant to serve next among `(tenant, head_cost)` pairs (the members
@@ -13,7 +13,9 @@ Both policies expose the same interface:
 * `on_dispatch(tenant, cost)`: the reserved cost of the request just dispatched;
 * `charge(tenant, cost)`: later corrections, e.g. streamed output above the reservation
   (positive) or a settlement refund (negative);
-* `level(tenant)`: the counter / deficit, for snapshots.
+* `level(tenant)`: the counter / deficit, for snapshots;
+* `set_weight(tenant, weight)`, `forget(tenant)`: policy reload;
+* `from_settings(settings)` (a classmethod): a fresh object from the policy file's `fairness`.
 """
 
 from __future__ import annotations
