@@ -64,6 +64,22 @@ DIMENSIONS: tuple[LimitDimension, ...] = (
 """In the order `submit` takes them."""
 
 
+def bucket_of(tenant: str, dimension: LimitDimension, limit: int) -> Bucket:
+    """The tenant's bucket for a dimension its policy limits to `limit` per period."""
+    return Bucket(f"{tenant}:{dimension.name}", float(limit), limit / dimension.period_s)
+
+
+def bucket_for_key(key: str, spec: Tenant) -> Bucket | None:
+    """The bucket a key `<tenant>:<dimension>` names under the tenant's current limits (None:
+    no such dimension, or the policy no longer limits it); for stores that settle by key."""
+    tenant, _, name = key.rpartition(":")
+    dimension = next((d for d in DIMENSIONS if d.name == name), None)
+    if dimension is None:
+        return None
+    limit = getattr(spec.limits, dimension.policy_field)
+    return None if limit is None else bucket_of(tenant, dimension, limit)
+
+
 @dataclass(frozen=True, slots=True)
 class TenantBucket:
     dimension: LimitDimension
@@ -90,7 +106,7 @@ class RateLimiter:
         if cached is not None and cached.limits == limits:
             return cached.buckets
         buckets = tuple(
-            TenantBucket(d, Bucket(f"{name}:{d.name}", float(limit), limit / d.period_s))
+            TenantBucket(d, bucket_of(name, d, limit))
             for d, limit in zip(DIMENSIONS, limits, strict=True)
             if limit is not None
         )

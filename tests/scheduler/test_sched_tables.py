@@ -8,8 +8,9 @@ import pytest
 from sched_support import make_policy, scheduler, ticket
 
 from extproc.policy.model import Fairness, Limits
-from extproc.scheduler import DIMENSIONS, FAIRNESS_POLICIES, make_fairness
+from extproc.scheduler import DIMENSIONS, FAIRNESS_POLICIES, Bucket, make_fairness
 from extproc.scheduler import retry_after as ra
+from extproc.scheduler.ratelimit import bucket_for_key
 
 
 def test_every_dimension_reads_a_policy_field_and_has_unique_names() -> None:
@@ -37,6 +38,17 @@ def test_every_dimension_charges_reports_and_refunds() -> None:
     for d in DIMENSIONS:
         for header in ("limit", "remaining", "reset"):
             assert f"x-ratelimit-{header}-{d.header_suffix}" in admission.ratelimit_headers
+
+
+def test_a_bucket_key_names_its_dimension() -> None:
+    limits = {d.policy_field: 600 for d in DIMENSIONS}
+    spec = make_policy({"a": {"tier": "gold", "limits": limits}}).tenants["a"]
+    for d in DIMENSIONS:
+        bucket = bucket_for_key(f"a:{d.name}", spec)
+        assert bucket == Bucket(f"a:{d.name}", 600.0, 600 / d.period_s)
+    assert bucket_for_key("a:nonsense", spec) is None
+    unlimited = make_policy({"a": {"tier": "gold"}}).tenants["a"]
+    assert all(bucket_for_key(f"a:{d.name}", unlimited) is None for d in DIMENSIONS)
 
 
 def test_fairness_registry_matches_the_policy_file_names() -> None:
