@@ -148,12 +148,12 @@ class Timers:
     def lease_added(self, expires_at: float, lease_id: int) -> None:
         heappush(self._leases, _LeaseTimer(expires_at, lease_id))
 
-    def expired(self, now: float) -> Iterator[QueueEntry]:
-        """Queued entries past their max_queue_wait, removed from the timer as they go."""
-        yield from _due(self._expiries, now)
+    def expired(self, now: float) -> list[QueueEntry]:
+        """Queued entries past their max_queue_wait, taken off the timer."""
+        return _due(self._expiries, now)
 
-    def past_deadline(self, now: float) -> Iterator[QueueEntry]:
-        yield from _due(self._deadlines, now)
+    def past_deadline(self, now: float) -> list[QueueEntry]:
+        return _due(self._deadlines, now)
 
     def expired_leases(self, now: float) -> Iterator[int]:
         heap = self._leases
@@ -195,8 +195,12 @@ class Timers:
         heapify(self._deadlines)
 
 
-def _due(heap: list[_EntryTimer], now: float) -> Iterator[QueueEntry]:
+def _due(heap: list[_EntryTimer], now: float) -> list[QueueEntry]:
+    """Pop the timers due at `now`; the entries still queued (each leaves only by itself,
+    so none of them is removed by handling another)."""
+    due: list[QueueEntry] = []
     while heap and heap[0].at <= now:
         entry = heappop(heap).entry
         if entry.alive:
-            yield entry
+            due.append(entry)
+    return due

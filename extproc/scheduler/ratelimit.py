@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
-from extproc.policy.model import Tenant
+from extproc.policy.model import Limits, Tenant
 from extproc.scheduler.limits import Bucket, LimitStore, Take, ratelimit_headers
 from extproc.scheduler.types import Ticket
 
@@ -88,7 +88,7 @@ class TenantBucket:
 
 @dataclass(frozen=True, slots=True)
 class _Cached:
-    limits: tuple[int | None, ...]
+    limits: Limits
     buckets: tuple[TenantBucket, ...]
 
 
@@ -101,16 +101,15 @@ class RateLimiter:
 
     def buckets(self, name: str, spec: Tenant) -> tuple[TenantBucket, ...]:
         """The tenant's buckets for the dimensions its policy limits, in table order."""
-        limits = tuple(getattr(spec.limits, d.policy_field) for d in DIMENSIONS)
         cached = self._cache.get(name)
-        if cached is not None and cached.limits == limits:
-            return cached.buckets
+        if cached is not None and cached.limits is spec.limits:
+            return cached.buckets  # policy models are frozen: same object, same limits
         buckets = tuple(
             TenantBucket(d, bucket_of(name, d, limit))
-            for d, limit in zip(DIMENSIONS, limits, strict=True)
-            if limit is not None
+            for d in DIMENSIONS
+            if (limit := getattr(spec.limits, d.policy_field)) is not None
         )
-        self._cache[name] = _Cached(limits, buckets)
+        self._cache[name] = _Cached(spec.limits, buckets)
         return buckets
 
     def takes(self, ticket: Ticket, spec: Tenant) -> list[Take]:
