@@ -23,7 +23,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         ref = reference(load_policy(args.policy))
     except PolicyError as error:
-        print(error, file=sys.stderr)
+        print(f"--policy {args.policy} cannot be used:\n{error}", file=sys.stderr)
         return UNREADABLE
     findings: list[Finding] = []
     unreadable: list[str] = []

@@ -107,7 +107,14 @@ class View:
     """The file shows the listener (or its client policy), so an absent limit is the default."""
     default_buffer_limit: int = 1 << 20
     """The platform's limit when none is set: Envoy's 1 MiB."""
-    buffer_limit_field: str = "the listener's per_connection_buffer_limit_bytes"
+    listener_line: int | None = None
+    """Where an absent buffer limit points, when the file shows the listener."""
+    spelling: dict[str, str] = field(default_factory=dict)
+    """How the kind's API spells an Envoy setting, where it differs (for the fixes)."""
+
+    def name_of(self, setting: str) -> str:
+        return self.spelling.get(setting, setting)
+
     routes: list[Route] | None = None
     clusters: dict[str, Cluster] = field(default_factory=dict)
     clusters_shown: bool = False

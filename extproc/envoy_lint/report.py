@@ -19,9 +19,11 @@ def exit_status(findings: list[Finding], unreadable: list[str]) -> int:
 
 def write_text(findings: list[Finding], unreadable: list[str], out: TextIO, err: TextIO) -> None:
     for problem in unreadable:
-        print(f"{problem} — give an Envoy config file that parses", file=err)
+        print(problem, file=err)
     for finding in findings:
         print(finding, file=out)
+    if unreadable and not findings:
+        return
     errors = sum(f.severity == "error" for f in findings)
     notes = len(findings) - errors
     print(f"{errors} error(s), {notes} note(s)", file=err)

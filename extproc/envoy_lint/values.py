@@ -100,7 +100,7 @@ def _number(value: object) -> float | None:
 
 
 def format_seconds(value: float) -> str:
-    return f"{value:g}s"
+    return f"{value * 1000:g}ms" if 0 < value < 1 else f"{value:g}s"
 
 
 def format_bytes(value: int) -> str:

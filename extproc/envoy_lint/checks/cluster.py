@@ -14,9 +14,12 @@ from extproc.envoy_lint.reference import (
 from extproc.envoy_lint.values import format_seconds as s
 
 _RAISE = f"raise it to {RAISED_CIRCUIT_BREAKER:,}"
+_ENVOY_BREAKERS = (
+    "circuit_breakers.thresholds max_connections, max_pending_requests and max_requests"
+)
 
 
-def _breakers(cluster: Cluster) -> list[Issue]:
+def _breakers(cluster: Cluster, spelled: str) -> list[Issue]:
     if cluster.thresholds is None:
         return [
             error(
@@ -24,8 +27,7 @@ def _breakers(cluster: Cluster) -> list[Issue]:
                 f"cluster {cluster.name} has no circuit breakers: Envoy's defaults "
                 f"({ENVOY_CIRCUIT_BREAKER:,} requests, pending requests and connections) turn "
                 "a burst of held requests into 503s",
-                "set circuit_breakers.thresholds max_connections, max_pending_requests and "
-                f"max_requests to {RAISED_CIRCUIT_BREAKER:,}",
+                f"set {spelled} to {RAISED_CIRCUIT_BREAKER:,}",
             )
         ]
     issues = []
@@ -69,6 +71,7 @@ def _protocol(cluster: Cluster) -> list[Issue]:
 
 
 def check_extproc_cluster(view: View, _: Reference) -> list[Issue]:
+    """The cluster each ext_proc filter names, and the one Envoy Gateway makes for its backend."""
     clusters: list[Cluster] = [view.implied_cluster] if view.implied_cluster else []
     issues = []
     named = {f.cluster.value: f.cluster.line for f in view.ext_procs if f.cluster is not None}
@@ -90,5 +93,7 @@ def check_extproc_cluster(view: View, _: Reference) -> list[Issue]:
                 )
             )
     for cluster in clusters:
-        issues += _breakers(cluster) + _protocol(cluster)
+        issues += _breakers(
+            cluster, view.spelling.get("circuit_breakers", _ENVOY_BREAKERS)
+        ) + _protocol(cluster)
     return issues

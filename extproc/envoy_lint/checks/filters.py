@@ -85,7 +85,7 @@ def _order(view: View) -> list[Issue]:
     positions = {id(f.ext_proc): i for i, f in enumerate(view.filters) if f.ext_proc is not None}
     for filter_ in view.ext_procs:
         position = positions.get(id(filter_))
-        if position is not None and routers and position > routers[-1]:
+        if position is not None and routers and position > routers[0]:
             issues.append(
                 error(
                     filter_.line,

@@ -19,7 +19,13 @@ def _flag(view: View, manager: Manager, name: str, setting: Setting[bool] | None
     if setting is not None:
         if setting.value:
             return []
-        return [error(setting.line, f"{name} is false: {_BYPASS}", f"set {name}: true")]
+        return [
+            error(
+                setting.line,
+                f"{name} is false: {_BYPASS}",
+                f"set {view.spelling.get(name, f'{name}: true')}",
+            )
+        ]
     if manager.safe_path_defaults:
         return []
     return [
@@ -54,7 +60,8 @@ def check_path_normalisation(view: View, _: Reference) -> list[Issue]:
             error(
                 action.line,
                 f"path_with_escaped_slashes_action is {action.value}: {_BYPASS}",
-                "set it to UNESCAPE_AND_REDIRECT or REJECT_REQUEST",
+                f"set {view.name_of('path_with_escaped_slashes_action')} to "
+                "UNESCAPE_AND_REDIRECT or REJECT_REQUEST",
             )
         )
     elif action is None and not manager.safe_path_defaults:

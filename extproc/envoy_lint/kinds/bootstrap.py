@@ -54,6 +54,7 @@ def _view(listener: Node, config: Node, clusters: dict[str, Cluster]) -> View:
             else None
         ),
         buffer_limit_shown=True,
+        listener_line=listener.line,
         routes=envoy_api.routes(route_config) if route_config is not None else None,
         clusters=clusters,
         clusters_shown=True,

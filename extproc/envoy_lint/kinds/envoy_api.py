@@ -85,12 +85,13 @@ def text_setting_raw(node: Node | None) -> Setting[str] | None:
 def http_filter(entry: Node) -> HttpFilter:
     name_node = entry.get("name")
     name = str(name_node.value) if name_node is not None else ""
+    line = name_node.line if name_node is not None else entry.line
     config = entry.get("typed_config")
     if config is not None and (
         type_url(config).endswith(EXT_PROC_TYPE) or name == "envoy.filters.http.ext_proc"
     ):
-        return HttpFilter(name, entry.line, ext_proc(name, entry.line, config))
-    return HttpFilter(name, entry.line)
+        return HttpFilter(name, line, ext_proc(name, line, config))
+    return HttpFilter(name, line)
 
 
 def manager(config: Node) -> Manager:

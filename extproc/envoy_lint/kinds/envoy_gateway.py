@@ -15,6 +15,13 @@ KIND = "Envoy Gateway"
 KINDS = ("EnvoyExtensionPolicy", "EnvoyPatchPolicy", "HTTPRoute", "ClientTrafficPolicy")
 DEFAULT_BUFFER_LIMIT = 32 * 1024
 """Envoy Gateway's connection buffer limit when a ClientTrafficPolicy sets none."""
+SPELLING = {
+    "per_connection_buffer_limit_bytes": "ClientTrafficPolicy connection.bufferLimit",
+    "path_with_escaped_slashes_action": "ClientTrafficPolicy path.escapedSlashesAction",
+    "merge_slashes": "ClientTrafficPolicy path.disableMergeSlashes: false",
+    "circuit_breakers": "backendSettings.circuitBreaker maxConnections, maxPendingRequests and "
+    "maxParallelRequests",
+}
 _MANAGER_FIELDS = (
     "stream_idle_timeout",
     "normalize_path",
@@ -170,7 +177,7 @@ def view(documents: list[tuple[str, Node]]) -> View:
         line=documents[0][1].line,
         complete=False,
         default_buffer_limit=DEFAULT_BUFFER_LIMIT,
-        buffer_limit_field="a ClientTrafficPolicy's connection.bufferLimit",
+        spelling=SPELLING,
     )
     # Envoy Gateway puts the EnvoyExtensionPolicy's filters before its router.
     chain: list[HttpFilter] = []
