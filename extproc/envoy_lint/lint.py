@@ -11,7 +11,9 @@ from extproc.envoy_lint.reference import Reference
 from extproc.envoy_lint.source import Node, UnreadableFile, load_documents
 
 KNOWN = (
-    "an Envoy bootstrap (static_resources), an Istio EnvoyFilter, or an Envoy Gateway "
+    "an Envoy bootstrap (static_resources), an Istio "
+    + ", ".join(istio.KINDS)
+    + " or an Envoy Gateway "
     + ", ".join(envoy_gateway.KINDS)
 )
 
@@ -19,15 +21,15 @@ KNOWN = (
 def views_of(path: str, documents: list[Node]) -> list[View]:
     """The pipelines the documents show; raises UnreadableFile when none is of a known kind."""
     found: list[View] = []
-    envoy_filters = [d for d in documents if istio.is_envoy_filter(d)]
+    istio_documents = [(kind, d) for d in documents if (kind := istio.kind_of(d)) is not None]
     gateway_documents = [
         (kind, d) for d in documents if (kind := envoy_gateway.kind_of(d)) is not None
     ]
     for document in documents:
         if bootstrap.is_bootstrap(document):
             found += bootstrap.views(document)
-    if envoy_filters:
-        found.append(istio.view(envoy_filters))
+    if istio_documents:
+        found.append(istio.view(istio_documents))
     if gateway_documents:
         found.append(envoy_gateway.view(gateway_documents))
     if not found:

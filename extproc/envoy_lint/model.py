@@ -87,6 +87,8 @@ class Cluster:
     """DEFAULT-priority circuit breakers by snake_case name; None when none are set."""
     http2: Setting[bool] | None
     keepalive_interval: Setting[float] | None = None
+    http2_shown: bool = True
+    """False where the protocol is decided outside the file (Istio: the Service's port name)."""
 
 
 @dataclass

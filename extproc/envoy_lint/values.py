@@ -104,6 +104,7 @@ def format_seconds(value: float) -> str:
 
 
 def format_bytes(value: int) -> str:
-    if value % (1 << 20) == 0:
-        return f"{value} ({value >> 20} MiB)"
-    return str(value)
+    for shift, unit in ((20, "MiB"), (10, "KiB")):
+        if value and value % (1 << shift) == 0:
+            return f"{value >> shift} {unit}"
+    return f"{value} bytes"

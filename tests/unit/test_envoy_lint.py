@@ -29,6 +29,8 @@ PENDING_CHECKS = frozenset({"path-normalisation"})
 BOOTSTRAPS = ["envoy/envoy.json", "envoy/envoy-compose.json"]
 PATCHES = [
     "deploy/istio/envoyfilter.yaml",
+    "deploy/istio/gateway.yaml",
+    "deploy/istio/destinationrule.yaml",
     "deploy/envoy-gateway/envoyextensionpolicy.yaml",
     "deploy/envoy-gateway/envoypatchpolicy.yaml",
     "deploy/envoy-gateway/gateway.yaml",
@@ -65,6 +67,8 @@ TRAPS = {
     "istio_max_message_timeout_missing": ("message-timeout", "deploy/istio/envoyfilter.yaml"),
     "istio_stream_idle_timeout_short": ("stream-idle-timeout", "deploy/istio/envoyfilter.yaml"),
     "istio_accounting_after_router": ("filter-order", "deploy/istio/envoyfilter.yaml"),
+    "istio_route_timeout_set": ("route-timeout", "deploy/istio/gateway.yaml"),
+    "istio_low_circuit_breakers": ("extproc-cluster", "istio_with_destinationrule.yaml"),
     "eg_message_timeout_short": (
         "message-timeout",
         "deploy/envoy-gateway/envoyextensionpolicy.yaml",
@@ -81,7 +85,7 @@ TRAPS = {
 
 
 def source_path(name: str) -> Path:
-    return FIXTURES / name if name == "clean.yaml" else REPO / name
+    return REPO / name if "/" in name else FIXTURES / name
 
 
 def trap_line(path: Path) -> int:
@@ -117,6 +121,21 @@ def test_clean_fixture_is_clean(capsys: pytest.CaptureFixture[str]) -> None:
     status, out, err = lint_cli(capsys, str(FIXTURES / "clean.yaml"))
     assert (status, out) == (0, "")
     assert "0 error(s), 0 note(s)" in err
+
+
+def test_a_destination_rule_next_to_the_envoy_filter_shows_the_cluster() -> None:
+    name = "outbound|50051||extproc.llm-gateway.svc.cluster.local"
+
+    def cluster_findings(path: Path) -> list[tuple[str, str]]:
+        findings = lint_file(str(path), REFERENCE)
+        return [(f.severity, f.message) for f in findings if f.check == "extproc-cluster"]
+
+    assert cluster_findings(REPO / "deploy/istio/envoyfilter.yaml") == [
+        ("note", f"cluster {name} is not in this file")
+    ]
+    assert cluster_findings(FIXTURES / "istio_with_destinationrule.yaml") == [
+        ("note", f"this file does not show whether cluster {name} speaks HTTP/2")
+    ]
 
 
 @pytest.mark.parametrize("name", sorted(TRAPS))

@@ -48,6 +48,14 @@ def _breakers(cluster: Cluster, spelled: str) -> list[Issue]:
 
 
 def _protocol(cluster: Cluster) -> list[Issue]:
+    if not cluster.http2_shown:
+        return [
+            note(
+                cluster.line,
+                f"this file does not show whether cluster {cluster.name} speaks HTTP/2",
+                "name the Service's port grpc (or set appProtocol: grpc)",
+            )
+        ]
     if cluster.http2 is None:
         return [
             error(

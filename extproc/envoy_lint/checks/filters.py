@@ -65,6 +65,8 @@ def _presence(view: View) -> list[Issue]:
 
 def _order(view: View) -> list[Issue]:
     if view.filters is None:
+        if not view.ext_procs:
+            return []  # the presence check has said so
         return [
             note(
                 view.line,
