@@ -48,6 +48,8 @@ class HttpFilter:
     name: str
     line: int
     ext_proc: ExtProc | None = None
+    disabled: Setting[bool] | None = None
+    """`disabled: true` runs the filter only on routes that turn it on."""
 
     @property
     def is_router(self) -> bool:
@@ -64,6 +66,8 @@ class Route:
     timeout: Setting[float] | None
     forwards: bool
     """Sends to a cluster (not a redirect or direct response)."""
+    disabled_filters: tuple[Setting[str], ...] = ()
+    """Filters the route (or its virtual host) turns off by name."""
 
 
 @dataclass(frozen=True)

@@ -67,11 +67,11 @@ class Node:
         return [Node(item, self.value.lc.item(i)[0] + 1) for i, item in enumerate(self.value)]
 
     def entries(self) -> list[tuple[str, Node]]:
-        """The (key, child) pairs of a mapping, keys in snake_case."""
+        """The (key, child) pairs of a mapping, keys as written (they may be names: filters)."""
         if not isinstance(self.value, CommentedMap):
             return []
         return [
-            (snake_case(str(key)), Node(value, self.value.lc.key(key)[0] + 1))
+            (str(key), Node(value, self.value.lc.key(key)[0] + 1))
             for key, value in self.value.items()
         ]
 
@@ -81,7 +81,7 @@ class Node:
     def walk(self) -> Iterator[tuple[str, Node]]:
         """Every keyed descendant, depth first, keys in snake_case."""
         for key, child in self.entries():
-            yield key, child
+            yield snake_case(key), child
             yield from child.walk()
         for item in self.items():
             yield from item.walk()

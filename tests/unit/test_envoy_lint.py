@@ -56,6 +56,8 @@ TRAPS = {
     "route_missing_pool": ("pool-routes", "clean.yaml"),
     "route_default_before_pool": ("pool-routes", "clean.yaml"),
     "route_no_default": ("pool-routes", "clean.yaml"),
+    "admission_disabled": ("skipped-filter", "clean.yaml"),
+    "route_skips_admission": ("skipped-filter", "clean.yaml"),
     "route_cache_retain": ("route-cache", "clean.yaml"),
     "route_cache_disabled": ("route-cache", "clean.yaml"),
     "admission_fail_open": ("failure-mode", "clean.yaml"),

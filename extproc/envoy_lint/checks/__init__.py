@@ -18,6 +18,7 @@ CHECKS: dict[str, Check] = {
     "route-timeout": timeouts.check_route_timeouts,
     "extproc-cluster": cluster.check_extproc_cluster,
     "pool-routes": routes.check_pool_routes,
+    "skipped-filter": routes.check_skipped_filters,
     "failure-mode": filters.check_failure_mode,
     "body-limit": listener.check_body_limit,
     "path-normalisation": paths.check_path_normalisation,

@@ -61,6 +61,31 @@ def check_pool_routes(view: View, ref: Reference) -> list[Issue]:
     return issues
 
 
+def check_skipped_filters(view: View, _: Reference) -> list[Issue]:
+    """An ext_proc filter turned off, for every route or for some: those requests skip it."""
+    names = {f.name for f in view.ext_procs}
+    issues = [
+        error(
+            f.disabled.line,
+            f"{f.name} is disabled: it runs only on routes that turn it on again",
+            "remove disabled: true",
+        )
+        for f in view.filters or []
+        if f.ext_proc is not None and f.disabled is not None and f.disabled.value
+    ]
+    for route in view.routes or []:
+        issues += [
+            error(
+                off.line,
+                f"this route turns {off.value} off: its requests skip it",
+                f"remove the typed_per_filter_config entry for {off.value}",
+            )
+            for off in route.disabled_filters
+            if off.value in names
+        ]
+    return issues
+
+
 def check_route_cache(documents: list[Node]) -> list[Issue]:
     """Anywhere in the file: settings that keep the first route match."""
     issues = []

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from extproc.envoy_lint.model import Cluster, ExtProc, HttpFilter, Manager, Role, Route, Setting
-from extproc.envoy_lint.source import Node
+from extproc.envoy_lint.source import Node, snake_case
 from extproc.envoy_lint.values import flag, integer, seconds
 from extproc.service.roles import ACCOUNTING_ROLE, ROLE_METADATA
 from extproc.types import POOL_HEADER
@@ -87,11 +87,12 @@ def http_filter(entry: Node) -> HttpFilter:
     name = str(name_node.value) if name_node is not None else ""
     line = name_node.line if name_node is not None else entry.line
     config = entry.get("typed_config")
+    disabled = flag_setting(entry.get("disabled"))
     if config is not None and (
         type_url(config).endswith(EXT_PROC_TYPE) or name == "envoy.filters.http.ext_proc"
     ):
-        return HttpFilter(name, line, ext_proc(name, line, config))
-    return HttpFilter(name, line)
+        return HttpFilter(name, line, ext_proc(name, line, config), disabled)
+    return HttpFilter(name, line, disabled=disabled)
 
 
 def manager(config: Node) -> Manager:
@@ -114,7 +115,19 @@ def _pool_value(matcher: Node) -> str | None:
     return None
 
 
-def route(entry: Node) -> Route:
+def disabled_filters(owner: Node) -> tuple[Setting[str], ...]:
+    """Filters that `typed_per_filter_config` turns off (ExtProcPerRoute or FilterConfig
+    `disabled: true`) on a route or a virtual host."""
+    configs = owner.get("typed_per_filter_config")
+    found = []
+    for name, config in configs.entries() if configs is not None else []:
+        disabled = config.get("disabled")
+        if disabled is not None and flag(disabled):
+            found.append(Setting(name, disabled.line))
+    return tuple(found)
+
+
+def route(entry: Node, host_disabled: tuple[Setting[str], ...] = ()) -> Route:
     match = entry.get("match")
     headers = match.get("headers") if match is not None else None
     pools = [p for p in (_pool_value(h) for h in headers.items()) if p] if headers else []
@@ -131,6 +144,7 @@ def route(entry: Node) -> Route:
         catch_all=any_path and not has_matchers,
         timeout=seconds_setting(timeout),
         forwards=action is not None,
+        disabled_filters=host_disabled + disabled_filters(entry),
     )
 
 
@@ -139,7 +153,8 @@ def routes(route_config: Node) -> list[Route]:
     found: list[Route] = []
     for host in hosts.items() if hosts is not None else []:
         entries = host.get("routes")
-        found += [route(entry) for entry in (entries.items() if entries is not None else [])]
+        off = disabled_filters(host)
+        found += [route(e, off) for e in (entries.items() if entries is not None else [])]
     return found
 
 
@@ -156,7 +171,7 @@ def cluster(entry: Node) -> Cluster:
         for key, child in threshold.entries():
             number = integer(child)
             if number is not None:
-                thresholds[key] = Setting(number, child.line)
+                thresholds[snake_case(key)] = Setting(number, child.line)
     http2_options = None
     options = entry.get("typed_extension_protocol_options")
     explicit = options.get(HTTP_OPTIONS_KEY) if options is not None else None

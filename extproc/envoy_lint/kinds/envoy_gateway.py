@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from extproc.envoy_lint.kinds import envoy_api
 from extproc.envoy_lint.model import Cluster, ExtProc, HttpFilter, Manager, Route, Setting, View
-from extproc.envoy_lint.source import Node
+from extproc.envoy_lint.source import Node, snake_case
 from extproc.envoy_lint.values import byte_count, integer
 from extproc.types import POOL_HEADER
 
@@ -84,9 +84,9 @@ def _extension(document: Node, entry: Node, index: int) -> tuple[ExtProc, Cluste
     if breaker is not None:
         thresholds = {}
         for key, child in breaker.entries():
-            number = integer(child)
-            if key in _CIRCUIT_BREAKERS and number is not None:
-                thresholds[_CIRCUIT_BREAKERS[key]] = Setting(number, child.line)
+            number, envoy_name = integer(child), _CIRCUIT_BREAKERS.get(snake_case(key))
+            if envoy_name is not None and number is not None:
+                thresholds[envoy_name] = Setting(number, child.line)
     # Envoy Gateway always speaks HTTP/2 (gRPC) to an ext_proc backend.
     cluster = Cluster(name, entry.line, thresholds, http2=Setting(True, entry.line))
     return filter_, cluster
