@@ -94,12 +94,6 @@ def _envoy_render(args: argparse.Namespace) -> int:
     return 0
 
 
-def _envoy_lint(args: argparse.Namespace) -> int:
-    from extproc.envoy_lint import run
-
-    return run(args)
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="extproc", description=__doc__)
     parser.add_argument("--log-level", default="INFO")
@@ -138,13 +132,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     render.add_argument("-o", "--output")
     render.set_defaults(func=_envoy_render)
-    lint = envoy_commands.add_parser(
-        "lint", help="check an Envoy bootstrap, Istio EnvoyFilter or Envoy Gateway policy"
+
+    from extproc.envoy_lint.command import add_arguments as add_lint_arguments
+
+    add_lint_arguments(
+        envoy_commands.add_parser("lint", help="check an Envoy config against a policy"),
+        DEFAULT_POLICY,
     )
-    lint.add_argument("files", nargs="+", metavar="FILE")
-    lint.add_argument("--policy", default=DEFAULT_POLICY)
-    lint.add_argument("--format", choices=("text", "json"), default="text")
-    lint.set_defaults(func=_envoy_lint)
 
     for entry in sorted(entry_points(group=COMMAND_GROUP), key=lambda e: e.name):
         entry.load()(commands, DEFAULT_POLICY)

@@ -12,8 +12,9 @@ import pytest
 
 from extproc.cli import main
 from extproc.defaults import default_policy_path
-from extproc.envoy_lint import lint_file, reference
 from extproc.envoy_lint.findings import Finding
+from extproc.envoy_lint.lint import lint_file
+from extproc.envoy_lint.reference import reference
 from extproc.policy import load_policy
 from gateway_lab.processes import envoy_binary
 

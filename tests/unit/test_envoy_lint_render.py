@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 
 from extproc.envoy_config import RenderOptions, render_bootstrap
-from extproc.envoy_lint import lint_file, reference
+from extproc.envoy_lint.lint import lint_file
+from extproc.envoy_lint.reference import reference
 from extproc.envoy_lint.source import Node
 from extproc.envoy_lint.values import seconds
 from extproc.policy import Policy, policy_from_text

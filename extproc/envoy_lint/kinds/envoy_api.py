@@ -20,7 +20,8 @@ def type_url(config: Node | None) -> str:
     return text or ""
 
 
-def text_setting(node: Node | None) -> Setting[str] | None:
+def enum_setting(node: Node | None) -> Setting[str] | None:
+    """An enum value, upper-cased as Envoy's proto names are."""
     if node is None or node.text() is None:
         return None
     return Setting(str(node.value).upper(), node.line)
@@ -61,22 +62,28 @@ def ext_proc(name: str, line: int, config: Node) -> ExtProc:
         name=name,
         line=line,
         role=role,
-        request_header_mode=text_setting(mode.get("request_header_mode") if mode else None),
-        request_body_mode=text_setting(mode.get("request_body_mode") if mode else None),
-        response_header_mode=text_setting(mode.get("response_header_mode") if mode else None),
-        response_body_mode=text_setting(mode.get("response_body_mode") if mode else None),
+        request_header_mode=enum_setting(
+            mode.get("request_header_mode") if mode is not None else None
+        ),
+        request_body_mode=enum_setting(mode.get("request_body_mode") if mode is not None else None),
+        response_header_mode=enum_setting(
+            mode.get("response_header_mode") if mode is not None else None
+        ),
+        response_body_mode=enum_setting(
+            mode.get("response_body_mode") if mode is not None else None
+        ),
         observability_mode=observability,
         failure_mode_allow=flag_setting(config.get("failure_mode_allow")),
         message_timeout=seconds_setting(config.get("message_timeout")),
         max_message_timeout=seconds_setting(config.get("max_message_timeout")),
         grpc_timeout=seconds_setting(grpc.get("timeout") if grpc is not None else None),
         role_metadata=metadata,
-        cluster=text_setting_raw(cluster),
+        cluster=name_setting(cluster),
     )
 
 
-def text_setting_raw(node: Node | None) -> Setting[str] | None:
-    """A string setting kept as written (names are case-sensitive)."""
+def name_setting(node: Node | None) -> Setting[str] | None:
+    """A name, kept as written (names are case-sensitive)."""
     if node is None or node.text() is None:
         return None
     return Setting(str(node.value), node.line)
@@ -101,7 +108,7 @@ def manager(config: Node) -> Manager:
         stream_idle_timeout=seconds_setting(config.get("stream_idle_timeout")),
         normalize_path=flag_setting(config.get("normalize_path")),
         merge_slashes=flag_setting(config.get("merge_slashes")),
-        escaped_slashes_action=text_setting(config.get("path_with_escaped_slashes_action")),
+        escaped_slashes_action=enum_setting(config.get("path_with_escaped_slashes_action")),
     )
 
 
