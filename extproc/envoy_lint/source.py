@@ -51,7 +51,7 @@ class Node:
             return None
         for name in (key, camel_case(key)):
             if name in self.value:
-                return Node(self.value[name], self.value.lc.key(name)[0] + 1)
+                return Node(self.value[name], _key_line(self.value, name, self.line))
         return None
 
     def at(self, *keys: str) -> Node | None:
@@ -71,7 +71,7 @@ class Node:
         if not isinstance(self.value, CommentedMap):
             return []
         return [
-            (str(key), Node(value, self.value.lc.key(key)[0] + 1))
+            (str(key), Node(value, _key_line(self.value, key, self.line)))
             for key, value in self.value.items()
         ]
 
@@ -85,6 +85,19 @@ class Node:
             yield from child.walk()
         for item in self.items():
             yield from item.walk()
+
+
+def _key_line(mapping: CommentedMap, key: Any, fallback: int) -> int:
+    """The 1-based line of `key`, also when it comes from a YAML merge (`<<: *anchor`)."""
+    try:
+        return int(mapping.lc.key(key)[0]) + 1
+    except KeyError:
+        for source in getattr(mapping, "merge", []):
+            if isinstance(source, tuple):  # older ruamel.yaml: (position, mapping)
+                source = source[1]
+            if isinstance(source, CommentedMap) and key in source:
+                return _key_line(source, key, fallback)
+        return fallback
 
 
 def load_documents(path: str) -> list[Node]:
