@@ -28,6 +28,7 @@ def check_pool_routes(view: View, ref: Reference) -> list[Issue]:
             )
         ]
     issues: list[Issue] = []
+    # A route that matches every request shadows any pool route after it.
     catch_all = next((r for r in view.routes if r.catch_all), None)
     for pool in ref.pools:
         route = next((r for r in view.routes if r.pool == pool), None)
@@ -35,8 +36,8 @@ def check_pool_routes(view: View, ref: Reference) -> list[Issue]:
             issues.append(
                 error(
                     view.routes[0].line if view.routes else view.line,
-                    f"no route for pool {pool} ({POOL_HEADER}: {pool}): its requests go to "
-                    "the default route",
+                    f"no route for pool {pool} ({POOL_HEADER}: {pool}): the requests admission "
+                    "sends there never reach it",
                     f"add a route matching header {POOL_HEADER} exactly {pool}",
                 )
             )
@@ -49,13 +50,14 @@ def check_pool_routes(view: View, ref: Reference) -> list[Issue]:
                     "put the default route last",
                 )
             )
-    if catch_all is None:
+    # Requests admission does not route (GET /v1/models) carry no pool header; an allowlist
+    # of paths may serve them instead of a catch-all.
+    if not any(r.pool is None and r.forwards for r in view.routes):
         issues.append(
             error(
                 view.routes[-1].line if view.routes else view.line,
-                f"no default route: requests without {POOL_HEADER} (GET /v1/models, "
-                "rejections) find no route",
-                "add a last route with prefix / and no header match, to the smallest pool",
+                f"no route for requests without {POOL_HEADER} (GET /v1/models): they get 404",
+                "add a last route with no header match (prefix /), to the smallest pool",
             )
         )
     return issues
