@@ -99,7 +99,6 @@ class Cluster:
 class View:
     """One gateway pipeline as a file shows it."""
 
-    kind: str
     line: int
     """Where a finding about something the file does not show points."""
     complete: bool

@@ -251,3 +251,19 @@ def test_envoy_accepts_every_bootstrap_trap(name: str) -> None:
         capture_output=True, text=True, timeout=60,
     )  # fmt: skip
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_with_cds_a_cluster_missing_from_the_file_is_a_note(tmp_path: Path) -> None:
+    clean = (FIXTURES / "clean.yaml").read_text()
+    without_extproc = clean.replace("    - name: extproc\n", "    - name: not_extproc\n", 1)
+    static = tmp_path / "static.yaml"
+    static.write_text(without_extproc)
+    with_cds = tmp_path / "cds.yaml"
+    with_cds.write_text(without_extproc + "dynamic_resources:\n  cds_config: {ads: {}}\n")
+
+    def cluster_findings(path: Path) -> list[tuple[str, str]]:
+        findings = lint_file(str(path), REFERENCE)
+        return [(f.severity, f.message) for f in findings if f.check == "extproc-cluster"]
+
+    assert cluster_findings(static) == [("error", "cluster extproc is not defined")]
+    assert cluster_findings(with_cds) == [("note", "cluster extproc is not in this file")]

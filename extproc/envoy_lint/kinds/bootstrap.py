@@ -7,8 +7,6 @@ from extproc.envoy_lint.model import Cluster, Setting, View
 from extproc.envoy_lint.source import Node
 from extproc.envoy_lint.values import integer
 
-KIND = "Envoy bootstrap"
-
 
 def is_bootstrap(document: Node) -> bool:
     return document.get("static_resources") is not None or (
@@ -35,14 +33,13 @@ def _managers(listener: Node) -> list[Node]:
     return found
 
 
-def _view(listener: Node, config: Node, clusters: dict[str, Cluster]) -> View:
+def _view(listener: Node, config: Node, clusters: dict[str, Cluster], cds: bool) -> View:
     entries = config.get("http_filters")
     filters = [envoy_api.http_filter(e) for e in (entries.items() if entries is not None else [])]
     limit = listener.get("per_connection_buffer_limit_bytes")
     limit_value = integer(limit) if limit is not None else None
     route_config = config.get("route_config")
     return View(
-        kind=KIND,
         line=config.line,
         complete=True,
         filters=filters,
@@ -57,7 +54,8 @@ def _view(listener: Node, config: Node, clusters: dict[str, Cluster]) -> View:
         listener_line=listener.line,
         routes=envoy_api.routes(route_config) if route_config is not None else None,
         clusters=clusters,
-        clusters_shown=True,
+        # With CDS, a cluster missing here may come from the management server.
+        clusters_shown=not cds,
     )
 
 
@@ -69,8 +67,9 @@ def views(document: Node) -> list[View]:
         c.name: c
         for c in (envoy_api.cluster(e) for e in (cluster_nodes.items() if cluster_nodes else []))
     }
+    cds = document.at("dynamic_resources", "cds_config") is not None
     found = [
-        _view(listener, config, clusters)
+        _view(listener, config, clusters, cds)
         for listener in (listeners.items() if listeners is not None else [])
         for config in _managers(listener)
     ]
@@ -80,4 +79,4 @@ def views(document: Node) -> list[View]:
     if found:
         return found
     # No static listener (LDS): every piece of the pipeline is then "not shown".
-    return [View(kind=KIND, line=document.line, complete=False, clusters=clusters)]
+    return [View(line=document.line, complete=False, clusters=clusters)]

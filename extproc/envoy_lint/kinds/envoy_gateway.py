@@ -11,7 +11,6 @@ from extproc.envoy_lint.source import Node, snake_case
 from extproc.envoy_lint.values import byte_count, integer
 from extproc.types import POOL_HEADER
 
-KIND = "Envoy Gateway"
 KINDS = ("EnvoyExtensionPolicy", "EnvoyPatchPolicy", "HTTPRoute", "ClientTrafficPolicy")
 DEFAULT_BUFFER_LIMIT = 32 * 1024
 """Envoy Gateway's connection buffer limit when a ClientTrafficPolicy sets none."""
@@ -173,7 +172,6 @@ def _client_policy(document: Node, result: View, fields: dict[str, Node]) -> Non
 
 def view(documents: list[tuple[str, Node]]) -> View:
     result = View(
-        kind=KIND,
         line=documents[0][1].line,
         complete=False,
         default_buffer_limit=DEFAULT_BUFFER_LIMIT,

@@ -13,7 +13,6 @@ from extproc.envoy_lint.model import HttpFilter, Setting, View
 from extproc.envoy_lint.source import Node
 from extproc.envoy_lint.values import integer
 
-KIND = "Istio"
 KINDS = ("EnvoyFilter", "VirtualService", "DestinationRule")
 ROUTER = "envoy.filters.http.router"
 
@@ -36,7 +35,7 @@ def view(documents: list[tuple[str, Node]]) -> View:
     before_router: list[HttpFilter] = []
     after_router: list[HttpFilter] = []
     order_known = True
-    result = View(kind=KIND, line=documents[0][1].line, complete=False)
+    result = View(line=documents[0][1].line, complete=False)
     for document in (d for kind, d in documents if kind == "EnvoyFilter"):
         patches = document.at("spec", "config_patches")
         for patch in patches.items() if patches is not None else []:
