@@ -240,6 +240,7 @@ def test_an_unusable_policy_exits_2(tmp_path: Path, capsys: pytest.CaptureFixtur
     assert "cannot be used" in err
 
 
+@pytest.mark.dataplane
 @pytest.mark.parametrize(
     "name", ["clean", *sorted(n for n, (_, source) in TRAPS.items() if source == "clean.yaml")]
 )
