@@ -23,44 +23,36 @@ VTC bound 2 x U (U: the largest single-request cost).
 from __future__ import annotations
 
 import argparse
-import asyncio
 import math
-import random
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 from extproc.policy import hash_key
-from gateway_lab.bench.common import (
-    RECORD_COLUMNS,
-    EngineSet,
-    Load,
-    Meter,
-    Record,
-    Spec,
+from gateway_lab.bench.loadgen import Load, open_loop
+from gateway_lab.bench.monitor import log
+from gateway_lab.bench.records import RECORD_COLUMNS, Meter, Record, Spec
+from gateway_lab.bench.scenario import (
+    POOL,
+    Conclusion,
+    Results,
     add_scenario_arguments,
+    arm_gateway,
     chosen_timing,
-    engine_set,
-    fmt,
-    gateway_stack,
-    jain_index,
-    log,
-    open_loop,
-    progress,
-    prompt_text,
+    drive,
     pyplot,
     run_async,
+    run_scenario,
     save_figure,
-    save_results,
-    status_counts,
-    wait_engines_idle,
+    spread_maker,
+    workdir_of,
 )
+from gateway_lab.bench.stack import EngineSet
+from gateway_lab.bench.stats import fmt, jain_index, status_counts
 
 NAME = "token-fairness"
 DEFAULT_OUT = Path("results/token-fairness")
-POOL = "main"
 TENANTS = ("long", "short")
 KEYS = {"long": "bench-long-key", "short": "bench-short-key"}
 INPUT_WEIGHT = 1.0
@@ -128,14 +120,9 @@ gateway: {{default_max_tokens: 256, message_timeout: 10s}}
 
 
 def maker(tenant: str, prompt: int, work: Workload, seed: int) -> Callable[[int], Spec]:
-    rng = random.Random(seed)
-    words = prompt_text(math.ceil(prompt * (1 + work.spread)), rng)
-
-    def make(_index: int) -> Spec:
-        tokens = max(8, round(prompt * rng.uniform(1 - work.spread, 1 + work.spread)))
-        return Spec(tenant, KEYS[tenant], words[: 4 * (tokens - 4)], tokens, work.output)
-
-    return make
+    return spread_maker(
+        tenant, KEYS[tenant], prompt, work.output, work.spread, seed, vary_output=False
+    )
 
 
 def request_cost(record: Record) -> float:
@@ -184,7 +171,7 @@ def service_figures(
     }
 
 
-async def drive(
+async def drive_arm(
     arm: Arm, url: str, work: Workload, timing: Timing, seed: int
 ) -> tuple[Load, Meter, float]:
     meter = Meter(timing.bin_s, INPUT_WEIGHT, OUTPUT_WEIGHT)
@@ -194,25 +181,19 @@ async def drive(
             open_loop(load, maker(t, p, work, seed + i), work.rate, end, seed=seed + 10 + i)
             for i, (t, p) in enumerate((("long", work.long_prompt), ("short", work.short_prompt)))
         ]
-        ticker = asyncio.ensure_future(progress(NAME, arm.name, load, end))
-        try:
-            await asyncio.gather(*jobs)
-        finally:
-            ticker.cancel()
-            await asyncio.gather(ticker, return_exceptions=True)
+        await drive(NAME, arm.name, load, jobs, end)
     return load, meter, end
 
 
 def run_arm(
     arm: Arm, engines: EngineSet, workdir: Path, work: Workload, timing: Timing, seed: int
 ) -> dict[str, Any]:
-    run_async(wait_engines_idle(engines.all()))
-    log(NAME, f"arm {arm.name}: {arm.label}")
     endpoint = engines.endpoints[POOL][0]
-    with gateway_stack(
-        workdir / arm.name, engines, policy_text(endpoint, arm, work), "service"
+    text = policy_text(endpoint, arm, work)
+    with arm_gateway(
+        NAME, arm.name, workdir, engines, text, "service", announce=f"arm {arm.name}: {arm.label}"
     ) as gateway:
-        load, meter, end = run_async(drive(arm, gateway.url, work, timing, seed))
+        load, meter, end = run_async(drive_arm(arm, gateway.url, work, timing, seed))
     start = timing.warmup_s
     longest_prompt = math.ceil(work.long_prompt * (1 + work.spread))
     unit = INPUT_WEIGHT * longest_prompt + OUTPUT_WEIGHT * work.output
@@ -328,29 +309,18 @@ def run(
 ) -> dict[str, Any]:
     work = work or Workload()
     timing = timing or (Timing.quick() if quick else Timing())
-    began = time.perf_counter()
-    results: dict[str, dict[str, Any]] = {}
-    log(NAME, f"{len(ARMS)} arms, {timing.measure_s:.0f}s measured each; profile {profile}")
-    with engine_set(workdir / "engines", {POOL: 1}, profile) as engines:
-        for arm in ARMS:
-            results[arm.name] = run_arm(arm, engines, workdir, work, timing, seed)
-    report = {
-        "scenario": NAME,
-        "profile": profile,
-        "workload": work.__dict__,
-        "timing": timing.__dict__,
-        "weights": {"input": INPUT_WEIGHT, "output": OUTPUT_WEIGHT},
-        "wall_s": time.perf_counter() - began,
-        "arms": results,
-    }
-    save_results(
-        out,
-        report,
-        "token-fairness.png",
-        lambda path: plot(results, timing, path),
-        lambda: print_table(results),
-    )
-    return report
+
+    def conclude(results: Results) -> Conclusion:
+        return Conclusion(
+            None, lambda path: plot(results, timing, path), lambda: print_table(results)
+        )
+
+    return run_scenario(
+        NAME, out, workdir, profile=profile, work=work, timing=timing,
+        settings={"weights": {"input": INPUT_WEIGHT, "output": OUTPUT_WEIGHT}}, arms=ARMS,
+        run_arm=lambda arm, engines, _results: run_arm(arm, engines, workdir, work, timing, seed),
+        conclude=conclude, figure="token-fairness.png",
+    )  # fmt: skip
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -369,7 +339,7 @@ def main(args: argparse.Namespace) -> int:
     timing = chosen_timing(args, Timing(), Timing.quick())
     run(
         args.out,
-        args.workdir or args.out / "stacks",
+        workdir_of(args),
         quick=args.quick,
         work=work,
         timing=timing,

@@ -37,40 +37,33 @@ from typing import Any
 
 from extproc.policy import hash_key
 from extproc.scheduler.adaptive import AdaptiveSettings
-from gateway_lab.bench.common import (
-    RECORD_COLUMNS,
-    CapacityConfig,
-    EngineSet,
-    Load,
-    Meter,
-    Monitor,
-    Spec,
+from gateway_lab.bench.capacity import CapacityConfig
+from gateway_lab.bench.loadgen import Load
+from gateway_lab.bench.monitor import Monitor, log
+from gateway_lab.bench.noisy_plot import TARGET_RATIO, TARGET_THROUGHPUT, plot
+from gateway_lab.bench.records import RECORD_COLUMNS, Meter, Spec, prompt_text
+from gateway_lab.bench.scenario import (
+    POOL,
+    Background,
+    Conclusion,
+    Results,
     add_scenario_arguments,
+    arm_gateway,
     chosen_timing,
-    closed_loop,
-    engine_set,
-    fmt,
-    gateway_stack,
-    log,
-    open_loop,
-    progress,
-    prompt_text,
-    pyplot,
+    drive,
+    fixed_maker,
+    foreground_with_background,
     run_async,
-    save_figure,
-    save_results,
-    status_counts,
-    ttft_stats,
-    wait_engines_idle,
-    within,
+    run_scenario,
+    spread_maker,
+    workdir_of,
 )
+from gateway_lab.bench.stack import EngineSet, Gateway
+from gateway_lab.bench.stats import fmt, status_counts, ttft_stats, within
 
 NAME = "noisy-neighbour"
 DEFAULT_OUT = Path("results/noisy-neighbour")
-POOL = "main"
 KEYS = {"quiet": "bench-quiet-key", "flooder": "bench-flooder-key"}
-TARGET_RATIO = 1.10
-TARGET_THROUGHPUT = 0.95
 
 
 @dataclass(frozen=True)
@@ -152,31 +145,14 @@ gateway: {{default_max_tokens: 256, message_timeout: 10s}}
 
 
 def quiet_maker(work: Workload, seed: int) -> Callable[[int], Spec]:
-    rng = random.Random(seed)
-    prompts = [prompt_text(work.quiet_prompt, rng) for _ in range(16)]
-
-    def make(index: int) -> Spec:
-        return Spec(
-            "quiet", KEYS["quiet"], prompts[index % 16], work.quiet_prompt, work.quiet_output
-        )
-
-    return make
+    return fixed_maker("quiet", KEYS["quiet"], work.quiet_prompt, work.quiet_output, seed)
 
 
 def flooder_maker(work: Workload, seed: int) -> Callable[[int], Spec]:
-    rng = random.Random(seed)
-    low = 1.0 - work.spread
-    high = 1.0 + work.spread
-    longest = math.ceil(work.flood_prompt * high)
-    words = prompt_text(longest, rng)
-
-    def make(_index: int) -> Spec:
-        prompt = max(8, round(work.flood_prompt * rng.uniform(low, high)))
-        output = max(1, round(work.flood_output * rng.uniform(low, high)))
-        text = words[: 4 * (prompt - 4)]
-        return Spec("flooder", KEYS["flooder"], text, prompt, output)
-
-    return make
+    return spread_maker(
+        "flooder", KEYS["flooder"], work.flood_prompt, work.flood_output, work.spread, seed,
+        vary_output=True,
+    )  # fmt: skip
 
 
 def adaptive_capacity(headroom: int) -> CapacityConfig:
@@ -227,17 +203,11 @@ async def drain_bucket(load: Load, make: Callable[[int], Spec], limit: int) -> i
     return sent
 
 
-async def drive(
-    arm: Arm,
-    url: str,
-    engines: EngineSet,
-    admin_url: str | None,
-    work: Workload,
-    timing: Timing,
-    seed: int,
+async def drive_arm(
+    arm: Arm, gateway: Gateway, engines: EngineSet, work: Workload, timing: Timing, seed: int
 ) -> dict[str, Any]:
     meter = Meter(bin_s=0.5)
-    async with Load(url, meter) as load:
+    async with Load(gateway.url, meter) as load:
         if arm.flooder_rpm is not None:
             tiny = Spec("drain", KEYS["flooder"], prompt_text(8, random.Random(seed)), 8, 1)
             drained = await drain_bucket(load, lambda _i: tiny, arm.flooder_rpm)
@@ -248,43 +218,19 @@ async def drive(
         meter.tokens.clear()
         meter.service.clear()
         end = arm.warmup_s + timing.measure_s
-        quiet_done = asyncio.Event()
-
-        async def quiet() -> None:
-            try:
-                await open_loop(
-                    load,
-                    quiet_maker(work, seed),
-                    work.quiet_rate,
-                    end,
-                    seed=seed + 1,
-                    grace_s=timing.grace_s,
-                )
-            finally:
-                quiet_done.set()
-
-        jobs = [quiet()]
-        if arm.flooder:
-            jobs.append(
-                closed_loop(
-                    load,
-                    flooder_maker(work, seed + 2),
-                    work.flood_concurrency,
-                    end + timing.grace_s,
-                    ramp_s=timing.ramp_s,
-                    seed=seed + 3,
-                    stop=quiet_done,
-                )
-            )
-        monitor = Monitor(load, engines.all(), admin_url)
-        watch = asyncio.ensure_future(monitor.run(end + timing.grace_s))
-        ticker = asyncio.ensure_future(progress(NAME, arm.name, load, end))
-        try:
-            await asyncio.gather(*jobs)
-        finally:
-            for task in (watch, ticker):
-                task.cancel()
-            await asyncio.gather(watch, ticker, return_exceptions=True)
+        flooder = Background(flooder_maker(work, seed + 2), work.flood_concurrency, seed + 3)
+        jobs = foreground_with_background(
+            load,
+            quiet_maker(work, seed),
+            work.quiet_rate,
+            seed + 1,
+            [flooder] if arm.flooder else [],
+            end,
+            grace_s=timing.grace_s,
+            ramp_s=timing.ramp_s,
+        )
+        monitor = Monitor(load, engines.all(), gateway.admin_url)
+        await drive(NAME, arm.name, load, jobs, end, monitor, end + timing.grace_s)
         return summarize_arm(arm, load, meter, monitor, end)
 
 
@@ -328,16 +274,12 @@ def run_arm(
     timing: Timing,
     seed: int,
 ) -> dict[str, Any]:
-    run_async(wait_engines_idle(engines.all()))
     endpoint = engines.endpoints[POOL][0]
-    log(NAME, f"arm {arm.name}: starting Envoy{' + service' if arm.path == 'service' else ''}")
-    with gateway_stack(
-        workdir / arm.name, engines, policy_text(endpoint, arm), arm.path, arm.capacity
+    with arm_gateway(
+        NAME, arm.name, workdir, engines, policy_text(endpoint, arm), arm.path, arm.capacity
     ) as gateway:
         started = time.perf_counter()
-        result: dict[str, Any] = run_async(
-            drive(arm, gateway.url, engines, gateway.admin_url, work, timing, seed)
-        )
+        result: dict[str, Any] = run_async(drive_arm(arm, gateway, engines, work, timing, seed))
         result["wall_s"] = time.perf_counter() - started
     quiet = result["quiet"]
     log(
@@ -434,78 +376,6 @@ def print_table(summary: dict[str, Any], arms: list[Arm]) -> None:
             print(f"{label}: none")
 
 
-_COLORS = {"alone": "#7f7f7f", "fifo": "#d62728", "bucket": "#ff7f0e", "full": "#2ca02c"}
-
-
-def plot(results: dict[str, dict[str, Any]], summary: dict[str, Any], path: Path) -> None:
-    plt = pyplot()
-    rows = summary["rows"]
-    names = list(results)
-    colors = [_COLORS.get(results[n]["kind"], "#1f77b4") for n in names]
-    fig, axes = plt.subplots(2, 2, figsize=(13, 8.5))
-    ax = axes[0][0]
-    xs = range(len(names))
-    ax.bar([x - 0.2 for x in xs], [rows[n]["quiet_p50_ms"] for n in names], 0.4, label="P50",
-           color=colors, alpha=0.55)  # fmt: skip
-    ax.bar([x + 0.2 for x in xs], [rows[n]["quiet_p99_ms"] for n in names], 0.4, label="P99",
-           color=colors)  # fmt: skip
-    ax.set_yscale("log")
-    ax.set_title("quiet tenant: time to first token (ms; light P50, dark P99)")
-    ax.set_xticks(list(xs), names, rotation=30, ha="right")
-    ax = axes[0][1]
-    flood = [rows[n]["flooder_tok_s"] for n in names]
-    quiet = [rows[n]["quiet_tok_s"] for n in names]
-    ax.bar(list(xs), flood, color=colors, label="flooder")
-    ax.bar(list(xs), quiet, bottom=flood, color="black", label="quiet")
-    fifo = summary["fifo_total_tok_s"]
-    if not math.isnan(fifo):
-        ax.axhline(fifo * TARGET_THROUGHPUT, ls="--", color="black", lw=0.8)
-        ax.text(0, fifo * TARGET_THROUGHPUT, " 95% of FIFO", va="bottom", fontsize=8)
-    ax.set_title("output tokens/s (flooder + quiet)")
-    ax.set_xticks(list(xs), names, rotation=30, ha="right")
-    ax.legend(fontsize=8)
-    ax = axes[1][0]
-    for name in names:
-        row = rows[name]
-        if results[name]["kind"] == "alone" or math.isnan(row["throughput_vs_fifo"]):
-            continue
-        color = _COLORS.get(results[name]["kind"], "#1f77b4")
-        ax.scatter(row["throughput_vs_fifo"] * 100, row["p99_ratio"], color=color, s=40)
-        ax.annotate(name, (row["throughput_vs_fifo"] * 100, row["p99_ratio"]),
-                    fontsize=8, xytext=(4, 4), textcoords="offset points")  # fmt: skip
-    soft = sorted(
-        (rows[n]["throughput_vs_fifo"] * 100, rows[n]["p99_ratio"])
-        for n in names
-        if results[n]["kind"] in ("soft", "full")
-    )
-    if soft:
-        ax.plot([s[0] for s in soft], [s[1] for s in soft], color="#1f77b4", lw=0.8)
-    ax.axhline(TARGET_RATIO, ls="--", color="green", lw=0.8)
-    ax.axvline(TARGET_THROUGHPUT * 100, ls="--", color="green", lw=0.8)
-    ax.set_yscale("log")
-    ax.set_xlabel("total output tokens/s, % of FIFO")
-    ax.set_ylabel("quiet P99 TTFT / alone")
-    ax.set_title("trade-off: the goal is right of 95% and below 1.10x (dashed)")
-    ax = axes[1][1]
-    for name, style in (("full", "-"), ("fifo", ":")):
-        result = results.get(name)
-        if result is None:
-            continue
-        series = result["timeseries"]
-        ts = [s["t"] for s in series]
-        ax.plot(ts, [s["running"] for s in series], style, color="#1f77b4",
-                label=f"{name}: engine running")  # fmt: skip
-        ax.plot(ts, [s["waiting"] for s in series], style, color="#d62728",
-                label=f"{name}: engine waiting")  # fmt: skip
-        if name == "full":
-            ax.plot(ts, [(s.get("limit") or {}).get(POOL) for s in series], style,
-                    color="#2ca02c", label="full: gateway soft limit")  # fmt: skip
-    ax.set_xlabel("seconds")
-    ax.set_title("engine batch and queue over time (full policy vs FIFO)")
-    ax.legend(fontsize=8)
-    save_figure(fig, path)
-
-
 def run(
     out: Path,
     workdir: Path,
@@ -523,40 +393,30 @@ def run(
     timing = timing or (Timing.quick() if quick else Timing())
     sweep = sweep if sweep is not None else ([8] if quick else [4, 24, 128])
     arms = plan_arms(timing, sweep, headroom)
-    results: dict[str, dict[str, Any]] = {}
-    began = time.perf_counter()
-    log(NAME, f"{len(arms)} arms, {timing.measure_s:.0f}s measured each; profile {profile}")
-    with engine_set(workdir / "engines", {POOL: 1}, profile) as engines:
-        for arm in arms:
-            if arm.kind == "bucket":
-                fifo = results.get("fifo")
-                rate = fifo["flooder_tok_s"] / work.flood_output if fifo else 1.0
-                rpm = max(1, round(bucket_fraction * rate * 60.0))
-                arm = replace(arm, flooder_rpm=rpm)
-                log(NAME, f"token bucket: flooder {rpm} requests/min "
-                          f"({bucket_fraction:.0%} of its FIFO rate)")  # fmt: skip
-            results[arm.name] = run_arm(arm, engines, workdir, work, timing, seed)
-    summary = compare(results)
-    report = {
-        "scenario": NAME,
-        "profile": profile,
-        "workload": work.__dict__,
-        "timing": timing.__dict__,
-        "headroom": headroom,
-        "bucket_fraction": bucket_fraction,
-        "sweep": sweep,
-        "wall_s": time.perf_counter() - began,
-        "summary": summary,
-        "arms": results,
-    }
-    save_results(
-        out,
-        report,
-        "noisy-neighbour.png",
-        lambda path: plot(results, summary, path),
-        lambda: print_table(summary, arms),
-    )
-    return report
+
+    def run_one(arm: Arm, engines: EngineSet, results: Results) -> dict[str, Any]:
+        if arm.kind == "bucket":
+            fifo = results.get("fifo")
+            rate = fifo["flooder_tok_s"] / work.flood_output if fifo else 1.0
+            rpm = max(1, round(bucket_fraction * rate * 60.0))
+            arm = replace(arm, flooder_rpm=rpm)
+            log(NAME, f"token bucket: flooder {rpm} requests/min "
+                      f"({bucket_fraction:.0%} of its FIFO rate)")  # fmt: skip
+        return run_arm(arm, engines, workdir, work, timing, seed)
+
+    def conclude(results: Results) -> Conclusion:
+        summary = compare(results)
+        return Conclusion(
+            summary,
+            lambda path: plot(results, summary, path),
+            lambda: print_table(summary, arms),
+        )
+
+    settings = {"headroom": headroom, "bucket_fraction": bucket_fraction, "sweep": sweep}
+    return run_scenario(
+        NAME, out, workdir, profile=profile, work=work, timing=timing, settings=settings,
+        arms=arms, run_arm=run_one, conclude=conclude, figure="noisy-neighbour.png",
+    )  # fmt: skip
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -586,7 +446,7 @@ def main(args: argparse.Namespace) -> int:
     sweep = [int(x) for x in args.sweep.split(",") if x.strip()] if args.sweep else None
     run(
         args.out,
-        args.workdir or args.out / "stacks",
+        workdir_of(args),
         quick=args.quick,
         work=work,
         timing=timing,

@@ -36,7 +36,7 @@ from typing import Any
 import orjson
 
 from extproc.policy import hash_key
-from gateway_lab.bench.loadgen import percentile
+from gateway_lab.bench.records import percentile
 from gateway_lab.bench.stack import cpu_seconds, free_port
 from gateway_lab.processes import Child, Stack, http_ok, wait_until
 

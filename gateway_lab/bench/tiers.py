@@ -21,10 +21,7 @@ and time to first token): nothing may starve.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import math
-import random
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -32,38 +29,33 @@ from typing import Any
 
 from extproc.policy import hash_key
 from extproc.scheduler.adaptive import AdaptiveSettings
-from gateway_lab.bench.common import (
-    RECORD_COLUMNS,
-    CapacityConfig,
-    EngineSet,
-    Load,
-    Meter,
-    Monitor,
-    Spec,
+from gateway_lab.bench.capacity import CapacityConfig
+from gateway_lab.bench.loadgen import Load
+from gateway_lab.bench.monitor import Monitor, log
+from gateway_lab.bench.records import RECORD_COLUMNS, Meter, Spec
+from gateway_lab.bench.scenario import (
+    POOL,
+    Background,
+    Conclusion,
+    Results,
     add_scenario_arguments,
+    arm_gateway,
     chosen_timing,
-    closed_loop,
-    engine_set,
-    fmt,
-    gateway_stack,
-    jain_index,
-    log,
-    open_loop,
-    progress,
-    prompt_text,
+    drive,
+    fixed_maker,
+    foreground_with_background,
     pyplot,
     run_async,
+    run_scenario,
     save_figure,
-    save_results,
-    status_counts,
-    ttft_stats,
-    wait_engines_idle,
-    within,
+    spread_maker,
+    workdir_of,
 )
+from gateway_lab.bench.stack import EngineSet, Gateway
+from gateway_lab.bench.stats import fmt, jain_index, status_counts, ttft_stats, within
 
 NAME = "tiers"
 DEFAULT_OUT = Path("results/tiers")
-POOL = "main"
 PREMIUM = "acme"
 STANDARD = {"globex": 2.0, "initech": 1.0, "hooli": 1.0}
 KEYS = {name: f"bench-{name}-key" for name in (PREMIUM, *STANDARD)}
@@ -134,76 +126,42 @@ def capacity(work: Workload) -> CapacityConfig:
 
 
 def premium_maker(work: Workload, seed: int) -> Callable[[int], Spec]:
-    rng = random.Random(seed)
-    prompts = [prompt_text(work.premium_prompt, rng) for _ in range(16)]
-
-    def make(index: int) -> Spec:
-        return Spec(
-            PREMIUM, KEYS[PREMIUM], prompts[index % 16], work.premium_prompt, work.premium_output
-        )
-
-    return make
+    return fixed_maker(PREMIUM, KEYS[PREMIUM], work.premium_prompt, work.premium_output, seed)
 
 
 def standard_maker(tenant: str, work: Workload, seed: int) -> Callable[[int], Spec]:
-    rng = random.Random(seed)
-    words = prompt_text(math.ceil(work.standard_prompt * (1 + work.spread)), rng)
-
-    def make(_index: int) -> Spec:
-        prompt = max(8, round(work.standard_prompt * rng.uniform(1 - work.spread, 1 + work.spread)))
-        output = max(1, round(work.standard_output * rng.uniform(1 - work.spread, 1 + work.spread)))
-        return Spec(tenant, KEYS[tenant], words[: 4 * (prompt - 4)], prompt, output)
-
-    return make
+    return spread_maker(
+        tenant, KEYS[tenant], work.standard_prompt, work.standard_output, work.spread, seed,
+        vary_output=True,
+    )  # fmt: skip
 
 
-async def drive(
-    arm: Arm,
-    url: str,
-    engines: EngineSet,
-    admin_url: str | None,
-    work: Workload,
-    timing: Timing,
-    seed: int,
+async def drive_arm(
+    arm: Arm, gateway: Gateway, engines: EngineSet, work: Workload, timing: Timing, seed: int
 ) -> dict[str, Any]:
     meter = Meter(bin_s=0.5)
     end = arm.warmup_s + timing.measure_s
-    grace = timing.grace_s
-    async with Load(url, meter) as load:
-        premium_done = asyncio.Event()
-
-        async def premium() -> None:
-            try:
-                await open_loop(
-                    load, premium_maker(work, seed), work.premium_rate, end,
-                    seed=seed + 1, grace_s=grace,
-                )  # fmt: skip
-            finally:
-                premium_done.set()
-
-        jobs = [premium()]
-        if arm.standard:
-            for index, tenant in enumerate(STANDARD):
-                jobs.append(
-                    closed_loop(
-                        load,
-                        standard_maker(tenant, work, seed + 10 + index),
-                        work.standard_concurrency,
-                        end + grace,
-                        ramp_s=timing.ramp_s,
-                        seed=seed + 20 + index,
-                        stop=premium_done,
-                    )
-                )
-        monitor = Monitor(load, engines.all(), admin_url)
-        watch = asyncio.ensure_future(monitor.run(end + grace))
-        ticker = asyncio.ensure_future(progress(NAME, arm.name, load, end))
-        try:
-            await asyncio.gather(*jobs)
-        finally:
-            for task in (watch, ticker):
-                task.cancel()
-            await asyncio.gather(watch, ticker, return_exceptions=True)
+    async with Load(gateway.url, meter) as load:
+        standard = [
+            Background(
+                standard_maker(tenant, work, seed + 10 + index),
+                work.standard_concurrency,
+                seed + 20 + index,
+            )
+            for index, tenant in enumerate(STANDARD)
+        ]
+        jobs = foreground_with_background(
+            load,
+            premium_maker(work, seed),
+            work.premium_rate,
+            seed + 1,
+            standard if arm.standard else [],
+            end,
+            grace_s=timing.grace_s,
+            ramp_s=timing.ramp_s,
+        )
+        monitor = Monitor(load, engines.all(), gateway.admin_url)
+        await drive(NAME, arm.name, load, jobs, end, monitor, end + timing.grace_s)
     return summarize_arm(arm, load, meter, monitor, end)
 
 
@@ -249,15 +207,11 @@ def summarize_arm(
 def run_arm(
     arm: Arm, engines: EngineSet, workdir: Path, work: Workload, timing: Timing, seed: int
 ) -> dict[str, Any]:
-    run_async(wait_engines_idle(engines.all()))
     endpoint = engines.endpoints[POOL][0]
-    log(NAME, f"arm {arm.name}: starting Envoy{' + service' if arm.path == 'service' else ''}")
-    with gateway_stack(
-        workdir / arm.name, engines, policy_text(endpoint, work), arm.path, capacity(work)
+    with arm_gateway(
+        NAME, arm.name, workdir, engines, policy_text(endpoint, work), arm.path, capacity(work)
     ) as gateway:
-        result: dict[str, Any] = run_async(
-            drive(arm, gateway.url, engines, gateway.admin_url, work, timing, seed)
-        )
+        result: dict[str, Any] = run_async(drive_arm(arm, gateway, engines, work, timing, seed))
     premium = result["tenants"].get(PREMIUM, {}).get("ttft", {})
     log(NAME, f"arm {arm.name}: premium p50 {fmt(premium.get('p50_ms', math.nan))} ms "
               f"p99 {fmt(premium.get('p99_ms', math.nan))} ms")  # fmt: skip
@@ -380,31 +334,21 @@ def run(
         Arm("fifo", "direct", True, timing.warmup_s),
         Arm("tiers", "service", True, timing.warmup_s),
     ]
-    began = time.perf_counter()
-    results: dict[str, dict[str, Any]] = {}
-    log(NAME, f"{len(arms)} arms, {timing.measure_s:.0f}s measured each; profile {profile}")
-    with engine_set(workdir / "engines", {POOL: 1}, profile) as engines:
-        for arm in arms:
-            results[arm.name] = run_arm(arm, engines, workdir, work, timing, seed)
-    summary = compare(results)
-    report = {
-        "scenario": NAME,
-        "profile": profile,
-        "workload": work.__dict__,
-        "timing": timing.__dict__,
-        "weights": STANDARD,
-        "wall_s": time.perf_counter() - began,
-        "summary": summary,
-        "arms": results,
-    }
-    save_results(
-        out,
-        report,
-        "tiers.png",
-        lambda path: plot(results, summary, path),
-        lambda: print_table(results, summary),
-    )
-    return report
+
+    def conclude(results: Results) -> Conclusion:
+        summary = compare(results)
+        return Conclusion(
+            summary,
+            lambda path: plot(results, summary, path),
+            lambda: print_table(results, summary),
+        )
+
+    return run_scenario(
+        NAME, out, workdir, profile=profile, work=work, timing=timing,
+        settings={"weights": STANDARD}, arms=arms,
+        run_arm=lambda arm, engines, _results: run_arm(arm, engines, workdir, work, timing, seed),
+        conclude=conclude, figure="tiers.png",
+    )  # fmt: skip
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -423,7 +367,7 @@ def main(args: argparse.Namespace) -> int:
     timing = chosen_timing(args, Timing(), Timing.quick())
     run(
         args.out,
-        args.workdir or args.out / "stacks",
+        workdir_of(args),
         quick=args.quick,
         work=work,
         timing=timing,
