@@ -30,25 +30,11 @@ from pathlib import Path
 from typing import Any
 
 from extproc.policy import hash_key
+from gateway_lab.bench import scenario
 from gateway_lab.bench.loadgen import Load, open_loop
 from gateway_lab.bench.monitor import log
 from gateway_lab.bench.records import RECORD_COLUMNS, Meter, Record, Spec
-from gateway_lab.bench.scenario import (
-    POOL,
-    Conclusion,
-    Results,
-    add_scenario_arguments,
-    arm_gateway,
-    chosen_timing,
-    drive,
-    pyplot,
-    run_async,
-    run_scenario,
-    save_figure,
-    spread_maker,
-    workdir_of,
-)
-from gateway_lab.bench.stack import EngineSet
+from gateway_lab.bench.stack import PROFILE, EngineSet
 from gateway_lab.bench.stats import fmt, jain_index, status_counts
 
 NAME = "token-fairness"
@@ -110,7 +96,7 @@ tenants:
   long: {{tier: standard, api_keys: ["{hash_key(KEYS["long"])}"], limits: {limits}}}
   short: {{tier: standard, api_keys: ["{hash_key(KEYS["short"])}"], limits: {limits}}}
 pools:
-  {POOL}: {{max_total_tokens: 131072, max_inflight: {work.max_inflight},
+  {scenario.POOL}: {{max_total_tokens: 131072, max_inflight: {work.max_inflight},
           max_inflight_tokens: 1000000000, endpoints: ["{endpoint}"]}}
 fairness: {{policy: {arm.policy}, input_weight: {arm.input_weight},
            output_weight: {arm.output_weight}, quantum: 64}}
@@ -120,7 +106,7 @@ gateway: {{default_max_tokens: 256, message_timeout: 10s}}
 
 
 def maker(tenant: str, prompt: int, work: Workload, seed: int) -> Callable[[int], Spec]:
-    return spread_maker(
+    return scenario.spread_maker(
         tenant, KEYS[tenant], prompt, work.output, work.spread, seed, vary_output=False
     )
 
@@ -181,19 +167,19 @@ async def drive_arm(
             open_loop(load, maker(t, p, work, seed + i), work.rate, end, seed=seed + 10 + i)
             for i, (t, p) in enumerate((("long", work.long_prompt), ("short", work.short_prompt)))
         ]
-        await drive(NAME, arm.name, load, jobs, end)
+        await scenario.drive(NAME, arm.name, load, jobs, end)
     return load, meter, end
 
 
 def run_arm(
     arm: Arm, engines: EngineSet, workdir: Path, work: Workload, timing: Timing, seed: int
 ) -> dict[str, Any]:
-    endpoint = engines.endpoints[POOL][0]
+    endpoint = engines.endpoints[scenario.POOL][0]
     text = policy_text(endpoint, arm, work)
-    with arm_gateway(
+    with scenario.arm_gateway(
         NAME, arm.name, workdir, engines, text, "service", announce=f"arm {arm.name}: {arm.label}"
     ) as gateway:
-        load, meter, end = run_async(drive_arm(arm, gateway.url, work, timing, seed))
+        load, meter, end = scenario.run_async(drive_arm(arm, gateway.url, work, timing, seed))
     start = timing.warmup_s
     longest_prompt = math.ceil(work.long_prompt * (1 + work.spread))
     unit = INPUT_WEIGHT * longest_prompt + OUTPUT_WEIGHT * work.output
@@ -261,7 +247,7 @@ def print_table(results: dict[str, dict[str, Any]]) -> None:
 
 
 def plot(results: dict[str, dict[str, Any]], timing: Timing, path: Path) -> None:
-    plt = pyplot()
+    plt = scenario.pyplot()
     fig, axes = plt.subplots(2, 2, figsize=(12, 8))
     panels = [axes[0][0], axes[0][1], axes[1][0]]
     colors = {"long": "#d62728", "short": "#1f77b4"}
@@ -294,28 +280,25 @@ def plot(results: dict[str, dict[str, Any]], timing: Timing, path: Path) -> None
     ax.set_xlabel("seconds")
     ax.set_ylabel("k weighted tokens")
     ax.legend(fontsize=8)
-    save_figure(fig, path)
+    scenario.save_figure(fig, path)
 
 
 def run(
     out: Path,
     workdir: Path,
+    work: Workload,
+    timing: Timing,
     *,
-    quick: bool = False,
-    work: Workload | None = None,
-    timing: Timing | None = None,
     seed: int = 11,
-    profile: str = "a100-llama3-8b",
+    profile: str = PROFILE,
 ) -> dict[str, Any]:
-    work = work or Workload()
-    timing = timing or (Timing.quick() if quick else Timing())
 
-    def conclude(results: Results) -> Conclusion:
-        return Conclusion(
+    def conclude(results: scenario.Results) -> scenario.Conclusion:
+        return scenario.Conclusion(
             None, lambda path: plot(results, timing, path), lambda: print_table(results)
         )
 
-    return run_scenario(
+    return scenario.run_scenario(
         NAME, out, workdir, profile=profile, work=work, timing=timing,
         settings={"weights": {"input": INPUT_WEIGHT, "output": OUTPUT_WEIGHT}}, arms=ARMS,
         run_arm=lambda arm, engines, _results: run_arm(arm, engines, workdir, work, timing, seed),
@@ -324,7 +307,7 @@ def run(
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    add_scenario_arguments(parser, DEFAULT_OUT, "measured seconds per arm (default 50)")
+    scenario.add_scenario_arguments(parser, DEFAULT_OUT, "measured seconds per arm (default 50)")
     parser.add_argument("--rate", type=float, help="requests/s per tenant (default 8)")
     parser.add_argument("--max-inflight", type=int, help="door capacity (default 16)")
     parser.add_argument("--seed", type=int, default=11)
@@ -336,21 +319,12 @@ def main(args: argparse.Namespace) -> int:
         work = replace(work, rate=args.rate)
     if args.max_inflight:
         work = replace(work, max_inflight=args.max_inflight)
-    timing = chosen_timing(args, Timing(), Timing.quick())
-    run(
-        args.out,
-        workdir_of(args),
-        quick=args.quick,
-        work=work,
-        timing=timing,
-        seed=args.seed,
-    )
+    timing = scenario.chosen_timing(args, Timing(), Timing.quick())
+    run(args.out, scenario.workdir_of(args), work, timing, seed=args.seed)
     return 0
 
 
 if __name__ == "__main__":
-    _parser = argparse.ArgumentParser(
-        prog="python -m gateway_lab.bench.fairness", description=__doc__
+    raise SystemExit(
+        scenario.script_main("gateway_lab.bench.fairness", __doc__, add_arguments, main)
     )
-    add_arguments(_parser)
-    raise SystemExit(main(_parser.parse_args()))

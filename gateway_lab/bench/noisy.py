@@ -37,28 +37,13 @@ from typing import Any
 
 from extproc.policy import hash_key
 from extproc.scheduler.adaptive import AdaptiveSettings
+from gateway_lab.bench import scenario
 from gateway_lab.bench.capacity import CapacityConfig
 from gateway_lab.bench.loadgen import Load
 from gateway_lab.bench.monitor import Monitor, log
 from gateway_lab.bench.noisy_plot import TARGET_RATIO, TARGET_THROUGHPUT, plot
 from gateway_lab.bench.records import RECORD_COLUMNS, Meter, Spec, prompt_text
-from gateway_lab.bench.scenario import (
-    POOL,
-    Background,
-    Conclusion,
-    Results,
-    add_scenario_arguments,
-    arm_gateway,
-    chosen_timing,
-    drive,
-    fixed_maker,
-    foreground_with_background,
-    run_async,
-    run_scenario,
-    spread_maker,
-    workdir_of,
-)
-from gateway_lab.bench.stack import EngineSet, Gateway
+from gateway_lab.bench.stack import PROFILE, EngineSet, Gateway
 from gateway_lab.bench.stats import fmt, status_counts, ttft_stats, within
 
 NAME = "noisy-neighbour"
@@ -136,7 +121,7 @@ tenants:
     api_keys: ["{hash_key(KEYS["flooder"])}"]
     limits: {{{flooder_limits}}}
 pools:
-  {POOL}: {{max_total_tokens: 131072, max_inflight: {arm.max_inflight},
+  {scenario.POOL}: {{max_total_tokens: 131072, max_inflight: {arm.max_inflight},
           max_inflight_tokens: 1000000000, endpoints: ["{endpoint}"]}}
 fairness: {{policy: drr, input_weight: 1, output_weight: 2, quantum: 64}}
 estimation: {{mode: flat, default_bytes_per_token: 4.0}}
@@ -145,11 +130,11 @@ gateway: {{default_max_tokens: 256, message_timeout: 10s}}
 
 
 def quiet_maker(work: Workload, seed: int) -> Callable[[int], Spec]:
-    return fixed_maker("quiet", KEYS["quiet"], work.quiet_prompt, work.quiet_output, seed)
+    return scenario.fixed_maker("quiet", KEYS["quiet"], work.quiet_prompt, work.quiet_output, seed)
 
 
 def flooder_maker(work: Workload, seed: int) -> Callable[[int], Spec]:
-    return spread_maker(
+    return scenario.spread_maker(
         "flooder", KEYS["flooder"], work.flood_prompt, work.flood_output, work.spread, seed,
         vary_output=True,
     )  # fmt: skip
@@ -157,7 +142,7 @@ def flooder_maker(work: Workload, seed: int) -> Callable[[int], Spec]:
 
 def adaptive_capacity(headroom: int) -> CapacityConfig:
     settings = AdaptiveSettings(min_inflight=4, initial_inflight=16, headroom=headroom)
-    return CapacityConfig(adaptive={POOL: settings})
+    return CapacityConfig(adaptive={scenario.POOL: settings})
 
 
 def plan_arms(timing: Timing, sweep: list[int], headroom: int) -> list[Arm]:
@@ -178,7 +163,7 @@ def plan_arms(timing: Timing, sweep: list[int], headroom: int) -> list[Arm]:
                 timing.warmup_soft_s,
                 "soft",
                 soft + headroom,
-                CapacityConfig(headroom={POOL: headroom}),
+                CapacityConfig(headroom={scenario.POOL: headroom}),
                 soft_limit=soft,
             )
         )
@@ -218,19 +203,14 @@ async def drive_arm(
         meter.tokens.clear()
         meter.service.clear()
         end = arm.warmup_s + timing.measure_s
-        flooder = Background(flooder_maker(work, seed + 2), work.flood_concurrency, seed + 3)
-        jobs = foreground_with_background(
-            load,
-            quiet_maker(work, seed),
-            work.quiet_rate,
-            seed + 1,
-            [flooder] if arm.flooder else [],
-            end,
-            grace_s=timing.grace_s,
-            ramp_s=timing.ramp_s,
+        quiet = scenario.Foreground(quiet_maker(work, seed), work.quiet_rate, seed + 1)
+        flooder = scenario.Background(
+            flooder_maker(work, seed + 2), work.flood_concurrency, seed + 3
         )
-        monitor = Monitor(load, engines.all(), gateway.admin_url)
-        await drive(NAME, arm.name, load, jobs, end, monitor, end + timing.grace_s)
+        monitor = await scenario.contend(
+            NAME, arm.name, load, engines, gateway, quiet, [flooder] if arm.flooder else [], end,
+            grace_s=timing.grace_s, ramp_s=timing.ramp_s,
+        )  # fmt: skip
         return summarize_arm(arm, load, meter, monitor, end)
 
 
@@ -244,7 +224,11 @@ def summarize_arm(
     flooder_tps = meter.rate("flooder", start, end)
     window = [s for s in monitor.samples if start <= s["t"] < end]
     waiting = [s["waiting"] for s in window]
-    limits = [s["limit"][POOL] for s in window if s.get("limit", {}).get(POOL) is not None]
+    limits = [
+        s["limit"][scenario.POOL]
+        for s in window
+        if s.get("limit", {}).get(scenario.POOL) is not None
+    ]
     return {
         "arm": arm.name,
         "kind": arm.kind,
@@ -274,12 +258,14 @@ def run_arm(
     timing: Timing,
     seed: int,
 ) -> dict[str, Any]:
-    endpoint = engines.endpoints[POOL][0]
-    with arm_gateway(
+    endpoint = engines.endpoints[scenario.POOL][0]
+    with scenario.arm_gateway(
         NAME, arm.name, workdir, engines, policy_text(endpoint, arm), arm.path, arm.capacity
     ) as gateway:
         started = time.perf_counter()
-        result: dict[str, Any] = run_async(drive_arm(arm, gateway, engines, work, timing, seed))
+        result: dict[str, Any] = scenario.run_async(
+            drive_arm(arm, gateway, engines, work, timing, seed)
+        )
         result["wall_s"] = time.perf_counter() - started
     quiet = result["quiet"]
     log(
@@ -379,22 +365,18 @@ def print_table(summary: dict[str, Any], arms: list[Arm]) -> None:
 def run(
     out: Path,
     workdir: Path,
+    work: Workload,
+    timing: Timing,
+    sweep: list[int],
     *,
-    quick: bool = False,
-    work: Workload | None = None,
-    timing: Timing | None = None,
-    sweep: list[int] | None = None,
     headroom: int = 8,
     bucket_fraction: float = 0.5,
     seed: int = 7,
-    profile: str = "a100-llama3-8b",
+    profile: str = PROFILE,
 ) -> dict[str, Any]:
-    work = work or (Workload(flood_concurrency=40) if quick else Workload())
-    timing = timing or (Timing.quick() if quick else Timing())
-    sweep = sweep if sweep is not None else ([8] if quick else [4, 24, 128])
     arms = plan_arms(timing, sweep, headroom)
 
-    def run_one(arm: Arm, engines: EngineSet, results: Results) -> dict[str, Any]:
+    def run_one(arm: Arm, engines: EngineSet, results: scenario.Results) -> dict[str, Any]:
         if arm.kind == "bucket":
             fifo = results.get("fifo")
             rate = fifo["flooder_tok_s"] / work.flood_output if fifo else 1.0
@@ -404,23 +386,23 @@ def run(
                       f"({bucket_fraction:.0%} of its FIFO rate)")  # fmt: skip
         return run_arm(arm, engines, workdir, work, timing, seed)
 
-    def conclude(results: Results) -> Conclusion:
+    def conclude(results: scenario.Results) -> scenario.Conclusion:
         summary = compare(results)
-        return Conclusion(
+        return scenario.Conclusion(
             summary,
             lambda path: plot(results, summary, path),
             lambda: print_table(summary, arms),
         )
 
     settings = {"headroom": headroom, "bucket_fraction": bucket_fraction, "sweep": sweep}
-    return run_scenario(
+    return scenario.run_scenario(
         NAME, out, workdir, profile=profile, work=work, timing=timing, settings=settings,
         arms=arms, run_arm=run_one, conclude=conclude, figure="noisy-neighbour.png",
     )  # fmt: skip
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    add_scenario_arguments(parser, DEFAULT_OUT, "measured seconds per arm")
+    scenario.add_scenario_arguments(parser, DEFAULT_OUT, "measured seconds per arm")
     parser.add_argument(
         "--sweep", default=None, help="fixed soft limits to compare, comma separated (4,24,128)"
     )
@@ -442,23 +424,17 @@ def main(args: argparse.Namespace) -> int:
         "flood_output": args.flood_output,
     }
     work = replace(work, **{k: v for k, v in changes.items() if v is not None})
-    timing = chosen_timing(args, Timing(), Timing.quick())
-    sweep = [int(x) for x in args.sweep.split(",") if x.strip()] if args.sweep else None
+    timing = scenario.chosen_timing(args, Timing(), Timing.quick())
+    if args.sweep:
+        sweep = [int(x) for x in args.sweep.split(",") if x.strip()]
+    else:
+        sweep = [8] if args.quick else [4, 24, 128]
     run(
-        args.out,
-        workdir_of(args),
-        quick=args.quick,
-        work=work,
-        timing=timing,
-        sweep=sweep,
-        headroom=args.headroom,
-        bucket_fraction=args.bucket_fraction,
-        seed=args.seed,
-    )
+        args.out, scenario.workdir_of(args), work, timing, sweep,
+        headroom=args.headroom, bucket_fraction=args.bucket_fraction, seed=args.seed,
+    )  # fmt: skip
     return 0
 
 
 if __name__ == "__main__":
-    _parser = argparse.ArgumentParser(prog="python -m gateway_lab.bench.noisy", description=__doc__)
-    add_arguments(_parser)
-    raise SystemExit(main(_parser.parse_args()))
+    raise SystemExit(scenario.script_main("gateway_lab.bench.noisy", __doc__, add_arguments, main))

@@ -4,8 +4,8 @@ A scenario has arms, run one after another on the same emulated engines: per arm
 straight to them ("direct", FIFO inside the engine) or through the ext_proc service
 ("service", with the capacity the arm asks for written into the policy), `arm_gateway`. The
 load of an arm is a foreground tenant's Poisson arrivals, alone or beside closed-loop
-background tenants (`foreground_with_background`), driven with progress lines and, if asked,
-engine monitoring (`drive`). `run_scenario` runs the arms and collects their results, then
+background tenants (`contend`), driven with progress lines and, if asked, engine
+monitoring (`drive`). `run_scenario` runs the arms and collects their results, then
 writes `results.json` and the plot and prints the table (`save_results`).
 """
 
@@ -149,6 +149,15 @@ def spread_maker(
 
 
 @dataclass(frozen=True)
+class Foreground:
+    """The tenant whose latency is measured: Poisson arrivals of `make`'s requests."""
+
+    make: Callable[[int], Spec]
+    rate: float
+    seed: int
+
+
+@dataclass(frozen=True)
 class Background:
     """A closed-loop tenant: `concurrency` clients of `make`'s requests."""
 
@@ -157,28 +166,33 @@ class Background:
     seed: int
 
 
-def foreground_with_background(
+async def contend(
+    scenario: str,
+    arm: str,
     load: Load,
-    foreground: Callable[[int], Spec],
-    rate: float,
-    seed: int,
+    engines: EngineSet,
+    gateway: Gateway,
+    foreground: Foreground,
     background: Sequence[Background],
     end: float,
     *,
     grace_s: float,
     ramp_s: float,
-) -> list[Awaitable[None]]:
-    """The foreground tenant's Poisson arrivals until `end` (then up to `grace_s` for first
-    tokens), and the background tenants' closed loops until the foreground is done."""
+) -> Monitor:
+    """The foreground tenant's arrivals until `end` (then up to `grace_s` for first tokens)
+    beside the background tenants' closed loops, which stop when the foreground is done;
+    returns the monitor that sampled the engines and the gateway meanwhile."""
     done = asyncio.Event()
 
     async def steady() -> None:
         try:
-            await open_loop(load, foreground, rate, end, seed=seed, grace_s=grace_s)
+            await open_loop(
+                load, foreground.make, foreground.rate, end, seed=foreground.seed, grace_s=grace_s
+            )
         finally:
             done.set()
 
-    return [
+    jobs = [
         steady(),
         *(
             closed_loop(
@@ -187,6 +201,9 @@ def foreground_with_background(
             for b in background
         ),
     ]
+    monitor = Monitor(load, engines.all(), gateway.admin_url)
+    await drive(scenario, arm, load, jobs, end, monitor, end + grace_s)
+    return monitor
 
 
 async def drive(
@@ -210,6 +227,18 @@ async def drive(
         for task in watchers:
             task.cancel()
         await asyncio.gather(*watchers, return_exceptions=True)
+
+
+def script_main(
+    module: str,
+    doc: str | None,
+    add_arguments: Callable[[argparse.ArgumentParser], None],
+    main: Callable[[argparse.Namespace], int],
+) -> int:
+    """`python -m <module>`: the scenario's own parser, then its `main`."""
+    parser = argparse.ArgumentParser(prog=f"python -m {module}", description=doc)
+    add_arguments(parser)
+    return main(parser.parse_args())
 
 
 def workdir_of(args: argparse.Namespace) -> Path:

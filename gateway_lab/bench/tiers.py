@@ -29,29 +29,12 @@ from typing import Any
 
 from extproc.policy import hash_key
 from extproc.scheduler.adaptive import AdaptiveSettings
+from gateway_lab.bench import scenario
 from gateway_lab.bench.capacity import CapacityConfig
 from gateway_lab.bench.loadgen import Load
 from gateway_lab.bench.monitor import Monitor, log
 from gateway_lab.bench.records import RECORD_COLUMNS, Meter, Spec
-from gateway_lab.bench.scenario import (
-    POOL,
-    Background,
-    Conclusion,
-    Results,
-    add_scenario_arguments,
-    arm_gateway,
-    chosen_timing,
-    drive,
-    fixed_maker,
-    foreground_with_background,
-    pyplot,
-    run_async,
-    run_scenario,
-    save_figure,
-    spread_maker,
-    workdir_of,
-)
-from gateway_lab.bench.stack import EngineSet, Gateway
+from gateway_lab.bench.stack import PROFILE, EngineSet, Gateway
 from gateway_lab.bench.stats import fmt, jain_index, status_counts, ttft_stats, within
 
 NAME = "tiers"
@@ -111,7 +94,7 @@ def policy_text(endpoint: str, work: Workload) -> str:
         )
     lines += [
         "pools:",
-        f"  {POOL}: {{max_total_tokens: 131072, max_inflight: 512, "
+        f"  {scenario.POOL}: {{max_total_tokens: 131072, max_inflight: 512, "
         f'max_inflight_tokens: 1000000000, endpoints: ["{endpoint}"]}}',
         "fairness: {policy: drr, input_weight: 1, output_weight: 2, quantum: 64}",
         "estimation: {mode: flat, default_bytes_per_token: 4.0}",
@@ -122,15 +105,17 @@ def policy_text(endpoint: str, work: Workload) -> str:
 
 def capacity(work: Workload) -> CapacityConfig:
     settings = AdaptiveSettings(min_inflight=4, initial_inflight=16, headroom=work.headroom)
-    return CapacityConfig(adaptive={POOL: settings})
+    return CapacityConfig(adaptive={scenario.POOL: settings})
 
 
 def premium_maker(work: Workload, seed: int) -> Callable[[int], Spec]:
-    return fixed_maker(PREMIUM, KEYS[PREMIUM], work.premium_prompt, work.premium_output, seed)
+    return scenario.fixed_maker(
+        PREMIUM, KEYS[PREMIUM], work.premium_prompt, work.premium_output, seed
+    )
 
 
 def standard_maker(tenant: str, work: Workload, seed: int) -> Callable[[int], Spec]:
-    return spread_maker(
+    return scenario.spread_maker(
         tenant, KEYS[tenant], work.standard_prompt, work.standard_output, work.spread, seed,
         vary_output=True,
     )  # fmt: skip
@@ -143,25 +128,18 @@ async def drive_arm(
     end = arm.warmup_s + timing.measure_s
     async with Load(gateway.url, meter) as load:
         standard = [
-            Background(
+            scenario.Background(
                 standard_maker(tenant, work, seed + 10 + index),
                 work.standard_concurrency,
                 seed + 20 + index,
             )
             for index, tenant in enumerate(STANDARD)
         ]
-        jobs = foreground_with_background(
-            load,
-            premium_maker(work, seed),
-            work.premium_rate,
-            seed + 1,
-            standard if arm.standard else [],
-            end,
-            grace_s=timing.grace_s,
-            ramp_s=timing.ramp_s,
-        )
-        monitor = Monitor(load, engines.all(), gateway.admin_url)
-        await drive(NAME, arm.name, load, jobs, end, monitor, end + timing.grace_s)
+        premium = scenario.Foreground(premium_maker(work, seed), work.premium_rate, seed + 1)
+        monitor = await scenario.contend(
+            NAME, arm.name, load, engines, gateway, premium, standard if arm.standard else [],
+            end, grace_s=timing.grace_s, ramp_s=timing.ramp_s,
+        )  # fmt: skip
     return summarize_arm(arm, load, meter, monitor, end)
 
 
@@ -207,11 +185,13 @@ def summarize_arm(
 def run_arm(
     arm: Arm, engines: EngineSet, workdir: Path, work: Workload, timing: Timing, seed: int
 ) -> dict[str, Any]:
-    endpoint = engines.endpoints[POOL][0]
-    with arm_gateway(
+    endpoint = engines.endpoints[scenario.POOL][0]
+    with scenario.arm_gateway(
         NAME, arm.name, workdir, engines, policy_text(endpoint, work), arm.path, capacity(work)
     ) as gateway:
-        result: dict[str, Any] = run_async(drive_arm(arm, gateway, engines, work, timing, seed))
+        result: dict[str, Any] = scenario.run_async(
+            drive_arm(arm, gateway, engines, work, timing, seed)
+        )
     premium = result["tenants"].get(PREMIUM, {}).get("ttft", {})
     log(NAME, f"arm {arm.name}: premium p50 {fmt(premium.get('p50_ms', math.nan))} ms "
               f"p99 {fmt(premium.get('p99_ms', math.nan))} ms")  # fmt: skip
@@ -275,7 +255,7 @@ def print_table(results: dict[str, dict[str, Any]], summary: dict[str, Any]) -> 
 
 
 def plot(results: dict[str, dict[str, Any]], summary: dict[str, Any], path: Path) -> None:
-    plt = pyplot()
+    plt = scenario.pyplot()
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.5))
     ax = axes[0]
     names = list(summary)
@@ -314,36 +294,33 @@ def plot(results: dict[str, dict[str, Any]], summary: dict[str, Any], path: Path
     ax.set_xticks(range(len(tenants)), tenants)
     ax.set_title("longest time to first token per tenant (s)")
     ax.legend(fontsize=8)
-    save_figure(fig, path)
+    scenario.save_figure(fig, path)
 
 
 def run(
     out: Path,
     workdir: Path,
+    work: Workload,
+    timing: Timing,
     *,
-    quick: bool = False,
-    work: Workload | None = None,
-    timing: Timing | None = None,
     seed: int = 23,
-    profile: str = "a100-llama3-8b",
+    profile: str = PROFILE,
 ) -> dict[str, Any]:
-    work = work or (Workload(standard_concurrency=16) if quick else Workload())
-    timing = timing or (Timing.quick() if quick else Timing())
     arms = [
         Arm("premium-solo", "service", False, timing.warmup_solo_s),
         Arm("fifo", "direct", True, timing.warmup_s),
         Arm("tiers", "service", True, timing.warmup_s),
     ]
 
-    def conclude(results: Results) -> Conclusion:
+    def conclude(results: scenario.Results) -> scenario.Conclusion:
         summary = compare(results)
-        return Conclusion(
+        return scenario.Conclusion(
             summary,
             lambda path: plot(results, summary, path),
             lambda: print_table(results, summary),
         )
 
-    return run_scenario(
+    return scenario.run_scenario(
         NAME, out, workdir, profile=profile, work=work, timing=timing,
         settings={"weights": STANDARD}, arms=arms,
         run_arm=lambda arm, engines, _results: run_arm(arm, engines, workdir, work, timing, seed),
@@ -352,7 +329,7 @@ def run(
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    add_scenario_arguments(parser, DEFAULT_OUT, "measured seconds per arm (default 45)")
+    scenario.add_scenario_arguments(parser, DEFAULT_OUT, "measured seconds per arm (default 45)")
     parser.add_argument("--premium-rate", type=float, help="premium requests/s (default 2)")
     parser.add_argument("--standard-concurrency", type=int, help="clients per standard tenant")
     parser.add_argument("--seed", type=int, default=23)
@@ -364,19 +341,10 @@ def main(args: argparse.Namespace) -> int:
         work = replace(work, premium_rate=args.premium_rate)
     if args.standard_concurrency:
         work = replace(work, standard_concurrency=args.standard_concurrency)
-    timing = chosen_timing(args, Timing(), Timing.quick())
-    run(
-        args.out,
-        workdir_of(args),
-        quick=args.quick,
-        work=work,
-        timing=timing,
-        seed=args.seed,
-    )
+    timing = scenario.chosen_timing(args, Timing(), Timing.quick())
+    run(args.out, scenario.workdir_of(args), work, timing, seed=args.seed)
     return 0
 
 
 if __name__ == "__main__":
-    _parser = argparse.ArgumentParser(prog="python -m gateway_lab.bench.tiers", description=__doc__)
-    add_arguments(_parser)
-    raise SystemExit(main(_parser.parse_args()))
+    raise SystemExit(scenario.script_main("gateway_lab.bench.tiers", __doc__, add_arguments, main))
