@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from gateway_lab.bench.calibrate_measure import EngineResult, InterferenceResult, LevelResult
+from gateway_lab.bench.figures import pyplot, save_figure
 
 
 @dataclass(frozen=True)
@@ -69,10 +70,7 @@ def render_table(rows: Sequence[Row], tolerance: float) -> str:
 
 def save_png(path: Path, results: Sequence[EngineResult]) -> bool:
     try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+        plt = pyplot()
     except ImportError:
         print("matplotlib is not installed (pip install -e '.[bench]'): no PNG", file=sys.stderr)
         return False
@@ -111,9 +109,7 @@ def save_png(path: Path, results: Sequence[EngineResult]) -> bool:
     for axis in axes:
         axis.grid(True, alpha=0.3)
         axis.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path, dpi=110)
     return True
 
 

@@ -31,6 +31,7 @@ from typing import Any
 
 from extproc.policy import hash_key
 from gateway_lab.bench import scenario
+from gateway_lab.bench.figures import pyplot, save_figure
 from gateway_lab.bench.loadgen import Load, open_loop
 from gateway_lab.bench.monitor import log
 from gateway_lab.bench.records import RECORD_COLUMNS, Meter, Record, Spec
@@ -247,7 +248,7 @@ def print_table(results: dict[str, dict[str, Any]]) -> None:
 
 
 def plot(results: dict[str, dict[str, Any]], timing: Timing, path: Path) -> None:
-    plt = scenario.pyplot()
+    plt = pyplot()
     fig, axes = plt.subplots(2, 2, figsize=(12, 8))
     panels = [axes[0][0], axes[0][1], axes[1][0]]
     colors = {"long": "#d62728", "short": "#1f77b4"}
@@ -280,7 +281,7 @@ def plot(results: dict[str, dict[str, Any]], timing: Timing, path: Path) -> None
     ax.set_xlabel("seconds")
     ax.set_ylabel("k weighted tokens")
     ax.legend(fontsize=8)
-    scenario.save_figure(fig, path)
+    save_figure(fig, path)
 
 
 def run(

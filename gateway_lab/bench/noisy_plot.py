@@ -6,7 +6,8 @@ import math
 from pathlib import Path
 from typing import Any
 
-from gateway_lab.bench.scenario import POOL, pyplot, save_figure
+from gateway_lab.bench.figures import pyplot, save_figure
+from gateway_lab.bench.scenario import POOL
 
 TARGET_RATIO = 1.10
 TARGET_THROUGHPUT = 0.95

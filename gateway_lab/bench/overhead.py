@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from extproc.policy import hash_key
+from gateway_lab.bench.figures import pyplot, save_figure
 from gateway_lab.bench.loadgen import Load, closed_loop, summarize
 from gateway_lab.bench.records import Meter, Record, Spec, percentile
 from gateway_lab.bench.stack import ARMS, Gateway, bench_stack, cpu_seconds
@@ -294,11 +295,7 @@ def print_table(runs: list[dict[str, Any]], summary: dict[str, Any]) -> None:
 
 
 def plot(runs: list[dict[str, Any]], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     fig, axes = plt.subplots(1, 3, figsize=(14, 4))
     labels = [f"{r['output_tokens']}t c{r['concurrency']}" for r in runs if r["arm"] == "straight"]
     width = 0.27
@@ -314,9 +311,7 @@ def plot(runs: list[dict[str, Any]], path: Path) -> None:
         ax.set_title(title)
         ax.set_xticks(range(len(labels)), labels, rotation=20)
         ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path, dpi=110)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -269,13 +269,6 @@ def chosen_timing(args: argparse.Namespace, default: TimingT, quick: TimingT) ->
     return timing
 
 
-def save_figure(fig: Any, path: Path, dpi: int = 90) -> None:
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=dpi)
-    pyplot().close(fig)
-
-
 def save_results(
     out: Path,
     report: Any,
@@ -294,15 +287,6 @@ def save_results(
 def write_json(path: Path, data: Any) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_bytes(orjson.dumps(data, option=orjson.OPT_INDENT_2 | orjson.OPT_SERIALIZE_NUMPY))
-
-
-def pyplot() -> Any:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
 
 
 def run_async(coroutine: Awaitable[Any]) -> Any:

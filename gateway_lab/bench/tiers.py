@@ -31,6 +31,7 @@ from extproc.policy import hash_key
 from extproc.scheduler.adaptive import AdaptiveSettings
 from gateway_lab.bench import scenario
 from gateway_lab.bench.capacity import CapacityConfig
+from gateway_lab.bench.figures import pyplot, save_figure
 from gateway_lab.bench.loadgen import Load
 from gateway_lab.bench.monitor import Monitor, log
 from gateway_lab.bench.records import RECORD_COLUMNS, Meter, Spec
@@ -255,7 +256,7 @@ def print_table(results: dict[str, dict[str, Any]], summary: dict[str, Any]) -> 
 
 
 def plot(results: dict[str, dict[str, Any]], summary: dict[str, Any], path: Path) -> None:
-    plt = scenario.pyplot()
+    plt = pyplot()
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.5))
     ax = axes[0]
     names = list(summary)
@@ -294,7 +295,7 @@ def plot(results: dict[str, dict[str, Any]], summary: dict[str, Any], path: Path
     ax.set_xticks(range(len(tenants)), tenants)
     ax.set_title("longest time to first token per tenant (s)")
     ax.legend(fontsize=8)
-    scenario.save_figure(fig, path)
+    save_figure(fig, path)
 
 
 def run(
