@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from extproc.envoy_config import RenderOptions, split_host_port
-from extproc.policy import Policy, policy_from_text
+from extproc.policy import policy_from_text
 from gateway_lab.children import engine_child, envoy_child, extproc_child
 from gateway_lab.processes import Child, Stack, http_ok, wait_until
 
@@ -63,7 +63,6 @@ class EngineSet:
     """Emulated engines, one per endpoint, by pool."""
 
     endpoints: dict[str, list[str]]
-    stack: Stack
 
     def all(self) -> list[str]:
         return [e for endpoints in self.endpoints.values() for e in endpoints]
@@ -90,7 +89,7 @@ def engine_set(
             )
             checks.append((functools.partial(http_ok, f"http://{endpoint}/health"), endpoint))
     with running(stack, checks):
-        yield EngineSet(endpoints, stack)
+        yield EngineSet(endpoints)
 
 
 @dataclass
@@ -100,7 +99,6 @@ class Gateway:
     arm: str
     base_url: str
     admin_url: str | None
-    policy: Policy
     stack: Stack
 
     @property
@@ -161,7 +159,6 @@ def gateway_stack(
             arm=arm,
             base_url=f"http://{listen}",
             admin_url=f"http://{admin}" if arm == "extproc" else None,
-            policy=policy,
             stack=stack,
         )
 
