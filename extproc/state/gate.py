@@ -2,9 +2,9 @@
 
 The design (submit, gate, backlog registry, release, leases, failure modes) is described in
 extproc.state. This module is the request flow: take the budgets, propose the local
-scheduler's choices to the shared store, release, hand off, settle remote requests.
-Keeping other processes in view is extproc.state.sync; losing and finding Redis again is
-extproc.state.recovery.
+scheduler's choices to the shared store, release, hand off. Keeping other processes in view
+is extproc.state.sync; losing and finding Redis again is extproc.state.recovery; settling
+requests other processes admitted is extproc.state.remote.
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ from extproc.state.metrics import StateMetrics
 from extproc.state.mode import Mode
 from extproc.state.ops import Reply, reply_list
 from extproc.state.recovery import Recovery
+from extproc.state.remote import RemoteSettlements
 from extproc.state.store import SharedLimitStore
 from extproc.state.sync import PeerSync
 from extproc.types import Outcome
@@ -79,6 +80,7 @@ class RedisGate:
         """Admissions granted in local mode, registered in Redis once it is back."""
         self.sync = PeerSync(self)
         self.recovery = Recovery(self)
+        self.remote = RemoteSettlements(self)
         self._host: GateHost | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self._started = False
@@ -461,49 +463,15 @@ class RedisGate:
 
     def attach_remote(self, request_id: str) -> RemoteLease | None:
         self._launch()
-        remote = RemoteLease(request_id)
-        if self.mode is not Mode.SHARED:
-            remote.found = False
-            return remote
-        self.call(ops.Attach(request_id), partial(self._after_attach, remote))
-        return remote
-
-    def _after_attach(self, remote: RemoteLease, future: asyncio.Future[Reply]) -> None:
-        error = failure(future)
-        if error is not None:
-            remote.found = False
-            self.failed(error)
-            return
-        reply = future.result()
-        remote.found = bool(reply.get("ok"))
-        if remote.found:
-            remote.tenant = str(reply.get("t"))
-            remote.pool = str(reply.get("p"))
+        return self.remote.attach(request_id)
 
     def charge_remote(self, remote: RemoteLease, tokens: int) -> None:
-        if tokens > 0 and not remote.settled and self.mode is Mode.SHARED:
-            self.send(ops.ChargeOutput(remote.request_id, tokens))
+        self.remote.charge(remote, tokens)
 
     def settle_remote(
         self, remote: RemoteLease, input_tokens: int | None, output_tokens: int | None
     ) -> None:
-        if remote.settled:
-            return
-        remote.settled = True
-        if remote.found is False:
-            self.state_metrics.remote_settlements.labels("not_found").inc()
-            return
-        op = ops.Release(remote.request_id, input_tokens, output_tokens)
-        self.call(op, partial(self._after_remote_settle, op))
-
-    def _after_remote_settle(self, op: ops.Release, future: asyncio.Future[Reply]) -> None:
-        error = failure(future)
-        if error is not None:
-            self.recovery.queue_replay(op)
-            self.failed(error)
-            return
-        found = bool(future.result().get("ok"))
-        self.state_metrics.remote_settlements.labels("settled" if found else "not_found").inc()
+        self.remote.settle(remote, input_tokens, output_tokens)
 
     # -- introspection ----------------------------------------------------------------------------
 
