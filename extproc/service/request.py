@@ -12,7 +12,6 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import orjson
 
@@ -22,12 +21,9 @@ from extproc.estimation import TokenEstimator
 from extproc.metrics import UNKNOWN_TENANT, Metrics
 from extproc.openai_request import PromptParts
 from extproc.scheduler import Scheduler
-from extproc.service.reconcile import Correction, CutShort, EngineLedger
+from extproc.service.reconcile import Correction, CutShort, EngineLedger, Reconciler
 from extproc.sse import Usage
 from extproc.types import Outcome
-
-if TYPE_CHECKING:
-    from extproc.service.reconcile import Reconciler
 
 request_log = logging.getLogger("extproc.request")
 

@@ -142,6 +142,12 @@ class RedisGate:
     def failed(self, error: BaseException) -> None:
         self.recovery.failed(error)
 
+    def queue_replay(self, op: ops.Op) -> None:
+        self.recovery.queue_replay(op)
+
+    def mode_changed(self, shared: bool) -> None:
+        self.sync.mode_changed(shared)
+
     # -- batches ----------------------------------------------------------------------------------
 
     async def _run_batch(self, batch: Sequence[ops.Op]) -> list[Reply]:
@@ -411,12 +417,12 @@ class RedisGate:
             op = ops.Release(held.request_id, actual_in, actual_out)
             self.call(op, partial(self._after_release, op))
         else:  # settled locally; only the capacity is left to free
-            self.recovery.queue_replay(ops.Release(held.request_id))
+            self.queue_replay(ops.Release(held.request_id))
 
     def _after_release(self, op: ops.Release, future: asyncio.Future[Reply]) -> None:
         error = failure(future)
         if error is not None:
-            self.recovery.queue_replay(op)
+            self.queue_replay(op)
             self.failed(error)
 
     def drop_local(self, lease_id: int) -> None:

@@ -13,7 +13,6 @@ import asyncio
 import logging
 import random
 from functools import partial
-from typing import TYPE_CHECKING
 
 from extproc.scheduler import Admission, Bucket
 from extproc.state import ops
@@ -21,10 +20,8 @@ from extproc.state.backend import StateUnavailable
 from extproc.state.batcher import failure
 from extproc.state.mode import Mode
 from extproc.state.ops import Reply
+from extproc.state.shared import SharedGate
 from extproc.state.sync import BACKOFF_MAX_S, BACKOFF_MIN_S
-
-if TYPE_CHECKING:
-    from extproc.state.gate import RedisGate
 
 log = logging.getLogger("extproc.state")
 
@@ -32,7 +29,7 @@ MAX_REPLAY = 100_000
 
 
 class Recovery:
-    def __init__(self, gate: RedisGate) -> None:
+    def __init__(self, gate: SharedGate) -> None:
         self.gate = gate
         self._replay: list[ops.Op] = []
         self.uncertain: set[str] = set()
@@ -81,7 +78,7 @@ class Recovery:
         gate.store.shared = shared
         for capacity in gate.capacities.values():
             capacity.set_shared(shared)
-        gate.sync.mode_changed(shared)
+        gate.mode_changed(shared)
         host = gate.host
         host.scheduler.unpark()
         effective = gate.share(gate.policy) if mode is Mode.LOCAL else gate.policy

@@ -9,20 +9,17 @@ from __future__ import annotations
 
 import asyncio
 from functools import partial
-from typing import TYPE_CHECKING
 
 from extproc.admission import RemoteLease
 from extproc.state import ops
 from extproc.state.batcher import failure
 from extproc.state.mode import Mode
 from extproc.state.ops import Reply
-
-if TYPE_CHECKING:
-    from extproc.state.gate import RedisGate
+from extproc.state.shared import SharedGate
 
 
 class RemoteSettlements:
-    def __init__(self, gate: RedisGate) -> None:
+    def __init__(self, gate: SharedGate) -> None:
         self.gate = gate
 
     def attach(self, request_id: str) -> RemoteLease:
@@ -64,7 +61,7 @@ class RemoteSettlements:
     def _after_settle(self, op: ops.Release, future: asyncio.Future[Reply]) -> None:
         error = failure(future)
         if error is not None:
-            self.gate.recovery.queue_replay(op)
+            self.gate.queue_replay(op)
             self.gate.failed(error)
             return
         found = bool(future.result().get("ok"))

@@ -8,16 +8,13 @@ import contextlib
 import logging
 import random
 from functools import partial
-from typing import TYPE_CHECKING
 
 from extproc.state import ops
 from extproc.state.backend import StateUnavailable
 from extproc.state.batcher import failure
 from extproc.state.mode import Mode
 from extproc.state.ops import BacklogEntry, Reply, reply_list
-
-if TYPE_CHECKING:
-    from extproc.state.gate import RedisGate
+from extproc.state.shared import SharedGate
 
 log = logging.getLogger("extproc.state")
 
@@ -30,7 +27,7 @@ BACKOFF_MIN_S, BACKOFF_MAX_S = 0.05, 2.0
 
 
 class PeerSync:
-    def __init__(self, gate: RedisGate) -> None:
+    def __init__(self, gate: SharedGate) -> None:
         self.gate = gate
         self._registered: set[BacklogEntry] = set()
         self._park_reason: dict[tuple[str, str], str] = {}
