@@ -2,8 +2,8 @@
 
 One `AdmissionController` serves every state backend. What differs is its `AdmissionGate`:
 where an admission the local scheduler chose becomes final. `LocalGate` (state backend
-`memory`) grants at once; `extproc.state.RedisGate` grants asynchronously, once the shared
-store agreed (and takes a request's budgets there before it joins the local queue).
+`memory`) grants at once; `extproc.state.gate.RedisGate` grants asynchronously, once the
+shared store agreed (and takes a request's budgets there before it joins the local queue).
 """
 
 from __future__ import annotations
