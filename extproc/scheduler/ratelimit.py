@@ -63,6 +63,9 @@ DIMENSIONS: tuple[LimitDimension, ...] = (
 )
 """In the order `submit` takes them."""
 
+SETTLED_DIMENSION = next(d for d in DIMENSIONS if d.settles_on_usage)
+"""The one dimension the shared store's script settles on real usage at release."""
+
 
 def bucket_of(tenant: str, dimension: LimitDimension, limit: int) -> Bucket:
     """The tenant's bucket for a dimension its policy limits to `limit` per period."""

@@ -37,6 +37,7 @@ from extproc.admin import AdminServer
 from extproc.metrics import Metrics
 from extproc.policy import Policy, PolicyError, compile_policy, parse_policy
 from extproc.reload import PolicyReloader
+from extproc.scheduler import retry_after
 from extproc.service.composition import compose_core, compose_reloader
 from extproc.service.engine_watch import EngineWatcher
 from extproc.service.gateway import Gateway
@@ -46,7 +47,6 @@ from extproc.service.workers import WORKER_COUNT_ENV
 log = logging.getLogger("extproc.serve")
 
 LOG_FORMATS = ("json", "text")
-DRAIN_RETRY_AFTER_S = 5
 _DRAIN_POLL_S = 0.05
 
 # -- logging ---------------------------------------------------------------------------------------
@@ -244,7 +244,7 @@ def _log_policy_errors(errors: Sequence[str], message: str) -> None:
 
 def drain_queued(gateway: Gateway) -> int:
     """Answer every still-queued request with 503 + Retry-After; returns how many."""
-    return gateway.drain_queued(retry_after_s=DRAIN_RETRY_AFTER_S)
+    return gateway.drain_queued(retry_after_s=retry_after.DRAINING_S)
 
 
 class Service:

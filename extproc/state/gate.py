@@ -21,7 +21,8 @@ from functools import partial
 from extproc.admission import GateHost, Grant, RemoteLease, rejection_error
 from extproc.errors import GatewayError
 from extproc.policy import Policy
-from extproc.scheduler import Admission, Bucket, Take, TakeResult, Ticket
+from extproc.scheduler import Admission, Take, TakeResult, Ticket, retry_after
+from extproc.scheduler.ratelimit import SETTLED_DIMENSION, bucket_of
 from extproc.state import ops
 from extproc.state.backend import RedisBackend, StateUnavailable
 from extproc.state.batcher import Batcher, failure
@@ -47,10 +48,10 @@ def new_replica_id() -> str:
     return f"{secrets.token_hex(4)}-{os.getpid()}"
 
 
-def _unavailable(message: str) -> GatewayError:
+def _unavailable(message: str, retry_after_s: int) -> GatewayError:
     return GatewayError(
         outcome=Outcome.UNAVAILABLE, status=503, code=Outcome.UNAVAILABLE.value,
-        message=message, retry_after_s=1,
+        message=message, retry_after_s=retry_after_s,
     )  # fmt: skip
 
 
@@ -264,7 +265,10 @@ class RedisGate:
     def _reject_closed(self, turn: asyncio.Future[Grant]) -> None:
         self.state_metrics.closed_rejections.inc()
         turn.set_exception(
-            _unavailable("the gateway cannot reach its shared state store; retry shortly")
+            _unavailable(
+                "the gateway cannot reach its shared state store; retry shortly",
+                retry_after.STATE_UNAVAILABLE_S,
+            )
         )
 
     # -- dispatch: local choice, global gate -------------------------------------------------
@@ -291,7 +295,7 @@ class RedisGate:
         spec = policy.tenants[ticket.tenant]
         pool = policy.pools[ticket.pool]
         fairness = policy.source.fairness
-        tpm = spec.limits.tokens_per_minute
+        settled = getattr(spec.limits, SETTLED_DIMENSION.policy_field)
         return ops.Gate(
             request_id=ticket.request_id,
             tenant=ticket.tenant,
@@ -309,7 +313,7 @@ class RedisGate:
             pool_max_tokens=pool.max_inflight_tokens,
             fair_slack=self.settings.fair_slack,
             tokens_bucket=(
-                None if tpm is None else Bucket(f"{ticket.tenant}:tokens", float(tpm), tpm / 60.0)
+                None if settled is None else bucket_of(ticket.tenant, SETTLED_DIMENSION, settled)
             ),
             force=force,
         )
@@ -368,7 +372,10 @@ class RedisGate:
             if not gone:
                 self.host.answer(
                     ticket.request_id,
-                    _unavailable("request id collision between gateway processes; retry"),
+                    _unavailable(
+                        "request id collision between gateway processes; retry",
+                        retry_after.ID_COLLISION_S,
+                    ),
                 )
         elif gone:
             scheduler.release(lease_id)
@@ -384,7 +391,10 @@ class RedisGate:
                 scheduler.release(lease_id)
                 self.host.answer(
                     ticket.request_id,
-                    _unavailable(f"pool {ticket.pool!r} is no longer in the policy"),
+                    _unavailable(
+                        f"pool {ticket.pool!r} is no longer in the policy",
+                        retry_after.POOL_REMOVED_S,
+                    ),
                 )
         self.host.pump()
 

@@ -15,6 +15,7 @@ import random
 from functools import partial
 
 from extproc.scheduler import Admission, Bucket
+from extproc.scheduler.ratelimit import bucket_for_key
 from extproc.state import ops
 from extproc.state.backend import StateUnavailable
 from extproc.state.batcher import failure
@@ -148,10 +149,8 @@ class Recovery:
         gate.observe(ticket.pool, future.result())
 
     def _real_bucket(self, key: str) -> Bucket | None:
-        tenant, _, kind = key.rpartition(":")
+        tenant, _, _dimension = key.rpartition(":")
         spec = self.gate.policy.tenant(tenant)
         if spec is None:
             return None
-        limits = spec.limits
-        limit = limits.requests_per_minute if kind == "requests" else limits.tokens_per_minute
-        return None if limit is None else Bucket(key, float(limit), limit / 60.0)
+        return bucket_for_key(key, spec)
