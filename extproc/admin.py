@@ -12,6 +12,8 @@ Prometheus reach it, but `POST /v1/reload` still answers only loopback peers unl
 | GET  /v1/tenants  | JSON: each tenant's tier, weight, queued, in-flight, buckets, fair     |
 |                   | share, tokens served; each pool's load and limits                      |
 | POST /v1/reload   | re-read the policy file: 200 applied, 422 rejected (file:line errors)  |
+| GET  /status      | live status page (HTML, polls /v1/status; extproc.status)              |
+| GET  /v1/status   | JSON: per tier and tenant, per pool and engine, last rejections        |
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from extproc.metrics import Metrics
 from extproc.reload import PolicyReloader
 from extproc.service.gateway import Gateway
+from extproc.status.page import StatusRoutes
 
 
 def _dumps(value: Any) -> str:
@@ -69,6 +72,13 @@ class AdminServer:
         app.router.add_get("/metrics", self.metrics_page)
         app.router.add_get("/v1/tenants", self.tenants)
         app.router.add_post("/v1/reload", self.reload)
+        self.status = StatusRoutes(
+            gateway=lambda: self.gateway,
+            metrics=lambda: self.metrics,
+            reloader=lambda: self.reloader,
+            draining=lambda: self.draining,
+        )
+        self.status.add_to(app)
         self.app = app
         self._runner: web.AppRunner | None = None
 
