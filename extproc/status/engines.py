@@ -69,9 +69,9 @@ class EngineReader:
         return self._polled_at + self.interval_s - self.now()
 
     def wanted(self) -> dict[str, float]:
-        self._polled_at = self.now()
         if not self._watching():
-            return {}
+            return {}  # and the next watch reads at once
+        self._polled_at = self.now()
         return {e: self.timeout_s for found in self.endpoints().values() for e in found}
 
     def deliver(self, readings: Readings) -> None:
