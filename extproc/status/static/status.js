@@ -146,7 +146,14 @@ function chart(history) {
   return root;
 }
 
-function legend() {
+function scaleText(history) {
+  if (history.length < 2) return null;
+  const top = Math.max(1, ...history.map((p) => Math.max(p[1], p[2], p[3], p[4])));
+  const span = Math.round(history[history.length - 1][0] - history[0][0]);
+  return el("span", { class: "scale" }, `top of chart ${top} · last ${span} s`);
+}
+
+function legend(history) {
   const item = (color, label) => {
     const swatch = el("i", {});
     swatch.style.background = color;
@@ -154,7 +161,7 @@ function legend() {
   };
   return el("div", { class: "legend" },
     item("#2f6fdf", "soft limit"), item("#9aa4b8", "hard limit"),
-    item("#1f9d55", "in flight"), item("#c27c0e", "queued"));
+    item("#1f9d55", "in flight"), item("#c27c0e", "queued"), scaleText(history));
 }
 
 function figure(label, value, field) {
@@ -202,7 +209,7 @@ function renderPools(status) {
         figure("hard limit", num(p.hard_limit), "hard-limit"),
         figure("drain /s", num(p.drain_rate, 1), "drain-rate"),
         p.configured_max_inflight ? figure("configured", num(p.configured_max_inflight), "configured") : null),
-      chart(p.history), legend(), engines);
+      chart(p.history), legend(p.history), engines);
   });
   document.getElementById("pools").replaceChildren(...cards);
 }
