@@ -8,6 +8,7 @@ bounded form: the service itself exposes totals and the present only.
 
 from __future__ import annotations
 
+import bisect
 import time
 from collections import deque
 from collections.abc import Callable, Mapping
@@ -31,17 +32,20 @@ class StatusView:
         rate_window_s: float = 10.0,
         latency_window_s: float = 60.0,
         history_points: int = 120,
-        every_s: float = 1.0,
+        history_every_s: float = 1.0,
+        readings_every_s: float = 5.0,
         rejections_kept: int = 40,
         now: Callable[[], float] = time.monotonic,
         wall: Callable[[], float] = time.time,
     ) -> None:
         self.rate_window_s = rate_window_s
         self.latency_window_s = latency_window_s
-        self.every_s = every_s
+        self.history_every_s = history_every_s
         self.now = now
         self.wall = wall
-        self.readings = Readings(every_s, max(rate_window_s, latency_window_s))
+        # Readings hold every tenant's histograms: kept a few seconds apart, they cost little
+        # memory, and a rate still has a baseline from the page's first update on.
+        self.readings = Readings(readings_every_s, max(rate_window_s, latency_window_s))
         self.rejections = RejectionLog(rejections_kept)
         self.history_points = history_points
         self.limit_history: dict[str, deque[list[float]]] = {}
@@ -97,10 +101,18 @@ class StatusView:
         states: Mapping[str, Any] = snapshot.get("tenants", {})
         order = [*policy.source.tiers, REMOVED_TIER]
         grouped: dict[str, list[dict[str, Any]]] = {tier: [] for tier in order}
+        outcomes: dict[str, dict[str, int]] = {}
+        for (tenant, _tier, _pool, outcome), total in reading.requests.items():
+            if total > 0:
+                counts = outcomes.setdefault(tenant, {})
+                counts[outcome] = counts.get(outcome, 0) + int(total)
+        places = FairPlaces(states, fairness)
         for name, state in sorted(states.items()):
             tier = state.get("tier") or REMOVED_TIER
-            row = self._tenant(name, state, reading, rates_from, latency_from)
-            row["fair_share"] = fair_positions(name, tier, states, fairness)
+            row = self._tenant(
+                name, state, outcomes.get(name, {}), reading, rates_from, latency_from
+            )
+            row["fair_share"] = places.of(name, tier)
             grouped.setdefault(tier, []).append(row)
         return [{"name": tier, "tenants": rows} for tier, rows in grouped.items() if rows]
 
@@ -108,14 +120,11 @@ class StatusView:
         self,
         name: str,
         state: Mapping[str, Any],
+        outcomes: Mapping[str, int],
         reading: Reading,
         rates_from: Reading | None,
         latency_from: Reading | None,
     ) -> dict[str, Any]:
-        outcomes: dict[str, int] = {}
-        for (tenant, _tier, _pool, outcome), total in reading.requests.items():
-            if tenant == name and total > 0:
-                outcomes[outcome] = outcomes.get(outcome, 0) + int(total)
         ttft = reading.ttft.get(name, ())
         wait = reading.queue_wait.get(name, ())
         if latency_from is not None:
@@ -130,7 +139,7 @@ class StatusView:
             "served_tokens": state.get("served_tokens", 0),
             "admitted": outcomes.get("admitted", 0),
             "rejected": sum(n for outcome, n in outcomes.items() if outcome in REJECTIONS),
-            "outcomes": outcomes,
+            "outcomes": dict(outcomes),
             "tokens_per_s": self._token_rates(name, reading, rates_from),
             "ttft": Percentiles.of(ttft).as_json(),
             "queue_wait": Percentiles.of(wait).as_json(),
@@ -156,7 +165,7 @@ class StatusView:
                 del self.limit_history[name]
         for name, pool in pools.items():
             points = self.limit_history.setdefault(name, deque(maxlen=self.history_points))
-            if points and wall - points[-1][0] < self.every_s:
+            if points and wall - points[-1][0] < self.history_every_s:
                 continue
             points.append(
                 [
@@ -193,27 +202,35 @@ class StatusView:
         }
 
 
-def fair_positions(
-    name: str, tier: str, states: Mapping[str, Any], fairness: str
-) -> list[dict[str, Any]]:
-    """Per pool: the tenant's fair-share counter and its place among its tier's tenants (1:
+class FairPlaces:
+    """Each tenant's fair-share counter per pool and its place among its tier's tenants (1:
     served next). A VTC counter counts service received (lowest goes first); a DRR deficit
     counts credit not yet spent (highest goes first)."""
-    mine = states.get(name, {}).get("fair_share") or {}
-    peers = [
-        state.get("fair_share") or {}
-        for state in states.values()
-        if (state.get("tier") or REMOVED_TIER) == tier
-    ]
-    lowest_first = fairness == "vtc"
-    places: list[dict[str, Any]] = []
-    for pool, level in sorted(mine.items()):
-        levels = [peer[pool] for peer in peers if pool in peer]
-        ahead = sum(1 for other in levels if (other < level if lowest_first else other > level))
-        places.append(
-            {"pool": pool, "level": round(level, 2), "position": ahead + 1, "of": len(levels)}
-        )
-    return places
+
+    def __init__(self, states: Mapping[str, Any], fairness: str) -> None:
+        self.states = states
+        self.lowest_first = fairness == "vtc"
+        self.sorted_levels: dict[tuple[str, str], list[float]] = {}
+        for state in states.values():
+            tier = state.get("tier") or REMOVED_TIER
+            for pool, level in (state.get("fair_share") or {}).items():
+                self.sorted_levels.setdefault((tier, pool), []).append(level)
+        for levels in self.sorted_levels.values():
+            levels.sort()
+
+    def of(self, name: str, tier: str) -> list[dict[str, Any]]:
+        mine = self.states.get(name, {}).get("fair_share") or {}
+        places: list[dict[str, Any]] = []
+        for pool, level in sorted(mine.items()):
+            levels = self.sorted_levels.get((tier, pool), [])
+            if self.lowest_first:
+                ahead = bisect.bisect_left(levels, level)
+            else:
+                ahead = len(levels) - bisect.bisect_right(levels, level)
+            places.append(
+                {"pool": pool, "level": round(level, 2), "position": ahead + 1, "of": len(levels)}
+            )
+        return places
 
 
 def policy_view(

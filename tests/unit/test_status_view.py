@@ -15,7 +15,7 @@ from extproc.service.engine_metrics import EngineReading
 from extproc.service.gateway import Gateway
 from extproc.status.engines import EngineReader
 from extproc.status.readings import Percentiles, quantile, subtract_buckets
-from extproc.status.view import StatusView, fair_positions
+from extproc.status.view import FairPlaces, StatusView
 from tests.conftest import policy_yaml
 
 
@@ -104,7 +104,7 @@ def test_outcomes_are_summed_over_pools_and_rejections_split_from_admissions(
 
 def test_token_rates_are_differences_over_the_rate_window(gateway: Gateway) -> None:
     clock = FakeClock()
-    view = make_view(clock, rate_window_s=10.0)
+    view = make_view(clock, rate_window_s=10.0, readings_every_s=1.0)
     tokens = gateway.metrics.tokens_of
     tokens("acme", "input").inc(1000)
     build(view, gateway)
@@ -150,16 +150,22 @@ def test_fair_share_place_follows_the_fairness_policy() -> None:
         "p": {"tier": "premium", "fair_share": {"short": 100.0}},
     }
     # DRR: the largest deficit (credit) goes next.
-    assert fair_positions("a", "standard", states, "drr") == [
-        {"pool": "short", "level": 5.0, "position": 1, "of": 3}
-    ]
-    assert fair_positions("b", "standard", states, "drr")[0]["position"] == 3
+    drr = FairPlaces(states, "drr")
+    assert drr.of("a", "standard") == [{"pool": "short", "level": 5.0, "position": 1, "of": 3}]
+    assert drr.of("c", "standard")[0]["position"] == 2
+    assert drr.of("b", "standard")[0]["position"] == 3
     # VTC: the smallest counter (least served) goes next.
-    assert fair_positions("b", "standard", states, "vtc")[0]["position"] == 1
-    assert fair_positions("a", "standard", states, "vtc")[0]["position"] == 3
-    assert fair_positions("p", "premium", states, "vtc")[0] == {
-        "pool": "short", "level": 100.0, "position": 1, "of": 1,
-    }  # fmt: skip
+    vtc = FairPlaces(states, "vtc")
+    assert vtc.of("b", "standard")[0]["position"] == 1
+    assert vtc.of("a", "standard")[0]["position"] == 3
+    assert vtc.of("p", "premium")[0] == {"pool": "short", "level": 100.0, "position": 1, "of": 1}
+
+
+def test_tenants_level_with_each_other_share_a_place() -> None:
+    states = {name: {"tier": "standard", "fair_share": {"short": 0.0}} for name in "abc"}
+    for fairness in ("drr", "vtc"):
+        places = FairPlaces(states, fairness)
+        assert [places.of(name, "standard")[0]["position"] for name in "abc"] == [1, 1, 1]
 
 
 # -- rejections ------------------------------------------------------------------------------------
@@ -201,7 +207,7 @@ def test_rejections_are_logged_newest_first_and_bounded(gateway: Gateway) -> Non
 
 def test_limit_history_is_spaced_and_bounded(gateway: Gateway) -> None:
     clock = FakeClock()
-    view = make_view(clock, history_points=4, every_s=1.0)
+    view = make_view(clock, history_points=4, history_every_s=1.0)
     for _ in range(3):
         build(view, gateway)
         clock.t += 0.4
