@@ -13,7 +13,7 @@ import pytest
 
 from extproc.admin import AdminServer
 from extproc.policy import load_policy
-from extproc.service.gateway import Gateway
+from extproc.service.composition import compose
 from extproc.status.page import ASSETS, asset
 from tests.conftest import policy_yaml
 
@@ -83,7 +83,7 @@ async def test_the_json_waits_for_a_policy_then_answers(
     assert orjson.loads(body) == {"error": "no valid policy loaded"}
     path = tmp_path / "policy.yaml"
     path.write_text(policy_yaml())
-    server.gateway = Gateway(load_policy(path), metrics=server.metrics)  # as Service does
+    server.gateway = compose(load_policy(path), metrics=server.metrics)  # as Service does
     server.gateway.metrics.requests_of("acme", "premium", "short", "admitted").inc(2)
     status, headers, body = await get(url + "/v1/status")
     assert status == 200

@@ -11,6 +11,7 @@ import pytest
 
 from extproc.policy import load_policy
 from extproc.reload import PolicyReloader
+from extproc.service.composition import compose
 from extproc.service.engine_metrics import EngineReading
 from extproc.service.gateway import Gateway
 from extproc.status.engines import EngineReader
@@ -31,7 +32,7 @@ class FakeClock:
 def gateway(tmp_path: Path) -> Gateway:
     path = tmp_path / "policy.yaml"
     path.write_text(policy_yaml())
-    return Gateway(load_policy(path))
+    return compose(load_policy(path))
 
 
 def make_view(clock: FakeClock, **settings: Any) -> StatusView:
