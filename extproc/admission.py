@@ -1,8 +1,9 @@
 """The asyncio adapter around the pure scheduler core: one awaited turn per request.
 
-`AdmissionController` runs everything in this process (state backend `memory`).
-`extproc.state.SharedAdmissionController` extends it for state shared through Redis; the
-gateway only uses the methods defined here, so it does not care which one it holds.
+One `AdmissionController` serves every state backend. What differs is its `AdmissionGate`:
+where an admission the local scheduler chose becomes final. `LocalGate` (state backend
+`memory`) grants at once; `extproc.state.gate.RedisGate` grants asynchronously, once the
+shared store agreed (and takes a request's budgets there before it joins the local queue).
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 from extproc.errors import GatewayError
 from extproc.metrics import Metrics
@@ -50,82 +52,130 @@ def rejection_error(rejection: Rejection) -> GatewayError:
     )
 
 
-class AdmissionController:
-    """Turns scheduler decisions into resolved futures and keeps a timer for expiries."""
+class GateHost(Protocol):
+    """What a gate may ask of the controller it decides for."""
 
-    def __init__(self, scheduler: Scheduler, metrics: Metrics) -> None:
-        self.scheduler = scheduler
-        self.metrics = metrics
-        self._waiting: dict[str, asyncio.Future[Grant]] = {}
-        self._timer: asyncio.TimerHandle | None = None
-        self._timer_at: float | None = None
+    scheduler: Scheduler
 
-    # -- lifecycle (no-ops here; the shared controller connects and runs background tasks) ----
+    def enqueue(self, ticket: Ticket, turn: asyncio.Future[Grant]) -> None: ...
+
+    def grant(self, admission: Admission) -> None: ...
+
+    def waiting_for(self, request_id: str) -> asyncio.Future[Grant] | None: ...
+
+    def answer(self, request_id: str, error: GatewayError) -> None: ...
+
+    def release(
+        self, grant: Grant, input_tokens: int | None = None, output_tokens: int | None = None
+    ) -> None: ...
+
+    def resolve(self, rejections: list[Rejection]) -> None: ...
+
+    def pump(self) -> None: ...
+
+
+class AdmissionGate(Protocol):
+    """Where admission state lives beyond this process's scheduler."""
+
+    def bind(self, host: GateHost) -> None: ...
 
     async def start(self) -> None:
         """Connect to the state store, if any."""
 
-    async def close(self) -> None:
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
-            self._timer_at = None
+    async def close(self) -> None: ...
 
-    def update_policy(self, policy: Policy) -> int:
-        """Hot reload; queued requests the new policy cannot serve are answered. Returns how
-        many were."""
-        rejections = self.scheduler.update_policy(policy)
-        self.resolve(rejections)
-        self.pump()
-        return len(rejections)
+    def adopt_policy(self, policy: Policy) -> Policy:
+        """A (re)loaded policy: the one the local scheduler enforces from now on (a share of
+        it while the store is away)."""
 
-    # -- one request --------------------------------------------------------------------------
+    def submit(self, ticket: Ticket, turn: asyncio.Future[Grant]) -> None:
+        """A new request: enqueue it (`GateHost.enqueue`) now or later, or answer `turn`."""
 
-    def submit(self, ticket: Ticket) -> asyncio.Future[Grant]:
-        turn: asyncio.Future[Grant] = asyncio.get_running_loop().create_future()
-        return self._enqueue(ticket, turn)
+    def dispatching(self) -> bool:
+        """Whether the scheduler may admit anything now."""
 
-    def _enqueue(self, ticket: Ticket, turn: asyncio.Future[Grant]) -> asyncio.Future[Grant]:
-        rejection = self.scheduler.submit(ticket)
-        if rejection is not None:
-            if not turn.done():
-                turn.set_exception(rejection_error(rejection))
-            return turn
-        self._waiting[ticket.request_id] = turn
-        self.pump()
-        return turn
+    def propose(self, admission: Admission) -> None:
+        """The scheduler chose this admission: grant it (`GateHost.grant`) now or later."""
 
-    def cancel(self, request_id: str) -> None:
-        self._waiting.pop(request_id, None)
-        self.scheduler.cancel(request_id)
+    def after_pump(self) -> None: ...
 
-    def release(
-        self,
-        grant: Grant,
-        input_tokens: int | None = None,
-        output_tokens: int | None = None,
-    ) -> None:
-        self.scheduler.release(
-            grant.lease_id, actual_input_tokens=input_tokens, actual_output_tokens=output_tokens
-        )
-        self.pump()
+    def withdrawn(self, request_id: str) -> None:
+        """The request left the queue without being admitted (cancelled or rejected)."""
 
-    def charge_output(self, grant: Grant, tokens: int) -> None:
-        self.scheduler.charge_output(grant.lease_id, tokens)
+    def released(self, lease_id: int, input_tokens: int | None, output_tokens: int | None) -> None:
+        """An admitted request ended (already released in the scheduler)."""
+
+    def charged(self, lease_id: int, tokens: int) -> None: ...
 
     def hand_off(self, grant: Grant, still_ours: Callable[[], bool]) -> bool:
         """The admission stream ended and no accounting stream of this process took the
-        request over. Here nobody else can: release now (True). The shared controller waits
-        a moment for an accounting stream on another process instead (False)."""
-        del still_ours
-        self.release(grant)
-        return True
-
-    # -- accounting streams of requests admitted by another process ----------------------------
+        request over. True: released now; False: the gate waits for an accounting stream on
+        another process and releases later if none attaches."""
 
     def attach_remote(self, request_id: str) -> RemoteLease | None:
-        """Only shared state can settle a request another process admitted."""
-        del request_id
+        """An accounting stream for a request this process did not admit; None if no other
+        process can have admitted it."""
+
+    def charge_remote(self, remote: RemoteLease, tokens: int) -> None: ...
+
+    def settle_remote(
+        self, remote: RemoteLease, input_tokens: int | None, output_tokens: int | None
+    ) -> None: ...
+
+    def describe(self) -> dict[str, object]: ...
+
+
+class LocalGate:
+    """State backend `memory`: this process is the only one; every proposal is granted."""
+
+    def __init__(self) -> None:
+        self._host: GateHost | None = None
+
+    def bind(self, host: GateHost) -> None:
+        self._host = host
+
+    @property
+    def host(self) -> GateHost:
+        assert self._host is not None, "bind() the gate to its controller first"
+        return self._host
+
+    async def start(self) -> None:
+        pass
+
+    async def close(self) -> None:
+        pass
+
+    def adopt_policy(self, policy: Policy) -> Policy:
+        return policy
+
+    def submit(self, ticket: Ticket, turn: asyncio.Future[Grant]) -> None:
+        self.host.enqueue(ticket, turn)
+
+    def dispatching(self) -> bool:
+        return True
+
+    def propose(self, admission: Admission) -> None:
+        self.host.grant(admission)
+
+    def after_pump(self) -> None:
+        pass
+
+    def withdrawn(self, request_id: str) -> None:
+        pass
+
+    def released(self, lease_id: int, input_tokens: int | None, output_tokens: int | None) -> None:
+        pass
+
+    def charged(self, lease_id: int, tokens: int) -> None:
+        pass
+
+    def hand_off(self, grant: Grant, still_ours: Callable[[], bool]) -> bool:
+        del still_ours  # nobody else can take it over
+        self.host.release(grant)
+        return True
+
+    def attach_remote(self, request_id: str) -> RemoteLease | None:
+        del request_id  # only shared state can settle a request another process admitted
         return None
 
     def charge_remote(self, remote: RemoteLease, tokens: int) -> None:
@@ -137,8 +187,112 @@ class AdmissionController:
         del remote, input_tokens, output_tokens
 
     def describe(self) -> dict[str, object]:
-        """Where admission state lives and how it is doing (admin views)."""
         return {"backend": "memory"}
+
+
+class AdmissionController:
+    """Turns scheduler decisions into resolved futures and keeps a timer for expiries."""
+
+    def __init__(
+        self, scheduler: Scheduler, metrics: Metrics, gate: AdmissionGate | None = None
+    ) -> None:
+        self.scheduler = scheduler
+        self.metrics = metrics
+        self.gate: AdmissionGate = gate if gate is not None else LocalGate()
+        self._waiting: dict[str, asyncio.Future[Grant]] = {}
+        self._timer: asyncio.TimerHandle | None = None
+        self._timer_at: float | None = None
+        self.gate.bind(self)
+
+    # -- lifecycle ----------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Connect the state store (a no-op in memory)."""
+        await self.gate.start()
+
+    async def close(self) -> None:
+        await self.gate.close()
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+            self._timer_at = None
+
+    def update_policy(self, policy: Policy) -> int:
+        """Hot reload; queued requests the new policy cannot serve are answered. Returns how
+        many were."""
+        rejections = self.scheduler.update_policy(self.gate.adopt_policy(policy))
+        self.resolve(rejections)
+        self.pump()
+        return len(rejections)
+
+    # -- one request --------------------------------------------------------------------------
+
+    def submit(self, ticket: Ticket) -> asyncio.Future[Grant]:
+        turn: asyncio.Future[Grant] = asyncio.get_running_loop().create_future()
+        self.gate.submit(ticket, turn)
+        return turn
+
+    def enqueue(self, ticket: Ticket, turn: asyncio.Future[Grant]) -> None:
+        """Queue the request in the scheduler (or answer its rejection)."""
+        rejection = self.scheduler.submit(ticket)
+        if rejection is not None:
+            if not turn.done():
+                turn.set_exception(rejection_error(rejection))
+            return
+        self._waiting[ticket.request_id] = turn
+        self.pump()
+
+    def waiting_for(self, request_id: str) -> asyncio.Future[Grant] | None:
+        return self._waiting.get(request_id)
+
+    def answer(self, request_id: str, error: GatewayError) -> None:
+        """Fail a waiting request with `error` (the gate refused it for good)."""
+        turn = self._waiting.pop(request_id, None)
+        if turn is not None and not turn.done():
+            turn.set_exception(error)
+
+    def cancel(self, request_id: str) -> None:
+        self._waiting.pop(request_id, None)
+        self.scheduler.cancel(request_id)
+        self.gate.withdrawn(request_id)
+
+    def release(
+        self,
+        grant: Grant,
+        input_tokens: int | None = None,
+        output_tokens: int | None = None,
+    ) -> None:
+        self.scheduler.release(
+            grant.lease_id, actual_input_tokens=input_tokens, actual_output_tokens=output_tokens
+        )
+        self.gate.released(grant.lease_id, input_tokens, output_tokens)
+        self.pump()
+
+    def charge_output(self, grant: Grant, tokens: int) -> None:
+        self.scheduler.charge_output(grant.lease_id, tokens)
+        self.gate.charged(grant.lease_id, tokens)
+
+    def hand_off(self, grant: Grant, still_ours: Callable[[], bool]) -> bool:
+        """The admission stream ended and no accounting stream of this process took the
+        request over: True if released now (see `AdmissionGate.hand_off`)."""
+        return self.gate.hand_off(grant, still_ours)
+
+    # -- accounting streams of requests admitted by another process ----------------------------
+
+    def attach_remote(self, request_id: str) -> RemoteLease | None:
+        return self.gate.attach_remote(request_id)
+
+    def charge_remote(self, remote: RemoteLease, tokens: int) -> None:
+        self.gate.charge_remote(remote, tokens)
+
+    def settle_remote(
+        self, remote: RemoteLease, input_tokens: int | None, output_tokens: int | None
+    ) -> None:
+        self.gate.settle_remote(remote, input_tokens, output_tokens)
+
+    def describe(self) -> dict[str, object]:
+        """Where admission state lives and how it is doing (admin views)."""
+        return self.gate.describe()
 
     # -- decisions ----------------------------------------------------------------------------
 
@@ -146,20 +300,24 @@ class AdmissionController:
         """Apply every decision the scheduler can make now, then sleep till the next one."""
         for rejection in self.scheduler.poll():
             self._resolve_rejection(rejection)
-        for admission in self.scheduler.dispatch():
-            self._resolve_admission(admission)
+        if self.gate.dispatching():
+            for admission in self.scheduler.dispatch():
+                self.gate.propose(admission)
         self._arm_timer()
+        self.gate.after_pump()
 
     def resolve(self, rejections: list[Rejection]) -> None:
         """Answer requests the scheduler removed from its queues outside poll()."""
         for rejection in rejections:
             self._resolve_rejection(rejection)
 
-    def _resolve_admission(self, admission: Admission) -> None:
+    def grant(self, admission: Admission) -> None:
+        """The admission is final: hand the grant to whoever waits for it."""
         turn = self._waiting.pop(admission.ticket.request_id, None)
         if turn is None or turn.done():
             # Nobody waits for it any more: give the capacity straight back.
-            self._abandon(admission)
+            self.scheduler.release(admission.lease.lease_id)
+            self.gate.released(admission.lease.lease_id, None, None)
             return
         turn.set_result(
             Grant(
@@ -170,13 +328,11 @@ class AdmissionController:
             )
         )
 
-    def _abandon(self, admission: Admission) -> None:
-        self.scheduler.release(admission.lease.lease_id)
-
     def _resolve_rejection(self, rejection: Rejection) -> None:
         turn = self._waiting.pop(rejection.request_id, None)
         if turn is not None and not turn.done():
             turn.set_exception(rejection_error(rejection))
+        self.gate.withdrawn(rejection.request_id)
 
     def _arm_timer(self) -> None:
         wake_at = self.scheduler.next_deadline()

@@ -133,6 +133,13 @@ def build_parser() -> argparse.ArgumentParser:
     render.add_argument("-o", "--output")
     render.set_defaults(func=_envoy_render)
 
+    from extproc.envoy_lint.command import add_arguments as add_lint_arguments
+
+    add_lint_arguments(
+        envoy_commands.add_parser("lint", help="check an Envoy config against a policy"),
+        DEFAULT_POLICY,
+    )
+
     for entry in sorted(entry_points(group=COMMAND_GROUP), key=lambda e: e.name):
         entry.load()(commands, DEFAULT_POLICY)
     return parser

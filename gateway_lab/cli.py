@@ -68,7 +68,7 @@ def register(commands: Any, default_policy: str) -> None:
         scenario.set_defaults(func=_bench(module))
 
     simulate = commands.add_parser("simulate", help="offline simulation and capacity planning")
-    from gateway_lab.sim.cli import add_arguments as add_simulate_arguments
+    from gateway_lab.sim.arguments import add_arguments as add_simulate_arguments
 
     add_simulate_arguments(simulate)
     simulate.set_defaults(func=_simulate)

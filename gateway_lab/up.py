@@ -19,17 +19,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from extproc.envoy_config import RenderOptions, render_bootstrap, split_host_port
+from extproc.envoy_config import RenderOptions, split_host_port
 from extproc.policy import Policy, PolicyError, load_policy
-from gateway_lab.processes import (
-    STOP_FIRST,
-    STOP_LAST,
-    Child,
-    Stack,
-    envoy_binary,
-    http_ok,
-    wait_until,
-)
+from gateway_lab.children import engine_child, envoy_child, extproc_child
+from gateway_lab.processes import STOP_FIRST, STOP_LAST, Stack, http_ok, wait_until
 
 _LOOPBACK = {"127.0.0.1", "localhost", "::1"}
 _READY_TIMEOUT_S = 60.0
@@ -121,7 +114,6 @@ class StackConfig:
 
 
 def build_stack(config: StackConfig, policy: Policy) -> Stack:
-    python = sys.executable
     stack = Stack()
     if config.engine == "vllm":
         from gateway_lab.vllm_cpu.launcher import vllm_python
@@ -132,37 +124,27 @@ def build_stack(config: StackConfig, policy: Policy) -> Stack:
                 policy, config.workdir, config.vllm_python or vllm_python(), progress=_say
             )
         )
-    for index, (pool, endpoint) in enumerate(
-        [] if config.engine == "vllm" else engine_endpoints(policy)
-    ):
-        host, port = split_host_port(endpoint)
-        stack.children.append(
-            Child(
-                name=f"engine {pool}#{index}",
-                command=[
-                    python, "-m", "extproc", "engine", "--host", host, "--port", str(port),
-                    "--profile", config.profile, "--engine-id", f"{pool}-{index}",
-                    "--accept-any-model",
-                ],
-                log_path=config.workdir / f"engine-{pool}-{index}.log",
-            )
-        )  # fmt: skip
+    else:
+        stack.children.extend(
+            engine_child(config.workdir, pool, index, endpoint, config.profile)
+            for index, (pool, endpoint) in enumerate(engine_endpoints(policy))
+        )
+    serve_args = [
+        "--drain-grace", str(config.drain_grace),
+        "--workers", str(config.workers), "--worker-ports", config.worker_ports,
+        *(["--allow-unshared-workers"] if config.allow_unshared_workers else []),
+    ]  # fmt: skip
     stack.children.append(
-        Child(
-            name="extproc",
-            command=[
-                python, "-m", "extproc", "serve", "--policy", config.policy_path,
-                "--grpc", config.grpc, "--admin", config.admin,
-                "--drain-grace", str(config.drain_grace),
-                "--workers", str(config.workers), "--worker-ports", config.worker_ports,
-                *(["--allow-unshared-workers"] if config.allow_unshared_workers else []),
-            ],
-            log_path=config.workdir / "extproc.log",
+        extproc_child(
+            config.workdir,
+            config.policy_path,
+            config.grpc,
+            config.admin,
+            serve_args,
             stop_rank=STOP_FIRST,
             stop_timeout=config.drain_grace + 5.0,
         )
-    )  # fmt: skip
-    envoy_config = config.workdir / "envoy.json"
+    )
     from extproc.service.workers import worker_addresses
 
     options = RenderOptions(
@@ -170,18 +152,9 @@ def build_stack(config: StackConfig, policy: Policy) -> Stack:
         extproc=",".join(worker_addresses(config.grpc, config.workers, config.worker_ports)),
         admin=config.envoy_admin,
     )
-    envoy_config.write_text(render_bootstrap(policy, options))
     stack.children.append(
-        Child(
-            name="envoy",
-            command=[
-                envoy_binary(), "-c", str(envoy_config), "--log-level", "warn",
-                "--use-dynamic-base-id", "--concurrency", "1",
-            ],
-            log_path=config.workdir / "envoy.log",
-            stop_rank=STOP_LAST,
-        )
-    )  # fmt: skip
+        envoy_child(config.workdir, policy, options, log_level="warn", stop_rank=STOP_LAST)
+    )
     return stack
 
 

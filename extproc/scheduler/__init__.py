@@ -8,6 +8,7 @@ from extproc.scheduler.capacity import Capacity, StaticCapacity
 from extproc.scheduler.clock import Clock, ManualClock, MonotonicClock
 from extproc.scheduler.core import Scheduler
 from extproc.scheduler.fairness import (
+    FAIRNESS_POLICIES,
     DeficitRoundRobin,
     FairnessPolicy,
     VirtualTokenCounter,
@@ -21,12 +22,14 @@ from extproc.scheduler.limits import (
     TakeResult,
     format_reset,
     ratelimit_headers,
-    retry_after_seconds,
 )
+from extproc.scheduler.ratelimit import DIMENSIONS, LimitDimension
 from extproc.scheduler.rates import DecayingRate
 from extproc.scheduler.types import Admission, Lease, Rejection, Ticket
 
 __all__ = [
+    "DIMENSIONS",
+    "FAIRNESS_POLICIES",
     "Admission",
     "Bucket",
     "Capacity",
@@ -35,6 +38,7 @@ __all__ = [
     "DeficitRoundRobin",
     "FairnessPolicy",
     "Lease",
+    "LimitDimension",
     "LimitStore",
     "ManualClock",
     "MemoryLimitStore",
@@ -49,5 +53,4 @@ __all__ = [
     "format_reset",
     "make_fairness",
     "ratelimit_headers",
-    "retry_after_seconds",
 ]

@@ -11,7 +11,7 @@ A level may go negative: settlement debits real usage above the reserved estimat
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -93,11 +93,6 @@ def adjusted(level: float, delta: float, bucket: Bucket) -> float:
     return min(bucket.capacity, level - delta)
 
 
-def retry_after_seconds(wait_s: float) -> int:
-    """Whole seconds (>= 1) after which a bucket really covers the cost."""
-    return max(1, math.ceil(wait_s - TIME_EPSILON_S))
-
-
 def seconds_until_full(level: float, bucket: Bucket) -> float:
     return wait_seconds(level, bucket.capacity, bucket.refill_per_second)
 
@@ -118,15 +113,10 @@ def format_reset(seconds: float) -> str:
     return f"{out}{secs}s"
 
 
-def ratelimit_headers(
-    requests: tuple[Bucket, float] | None, tokens: tuple[Bucket, float] | None
-) -> dict[str, str]:
-    """x-ratelimit-{limit,remaining,reset}-{requests,tokens}, only for limits that exist."""
+def ratelimit_headers(limits: Iterable[tuple[str, Bucket, float]]) -> dict[str, str]:
+    """x-ratelimit-{limit,remaining,reset}-<suffix> for each (suffix, bucket, level) given."""
     headers: dict[str, str] = {}
-    for suffix, item in (("requests", requests), ("tokens", tokens)):
-        if item is None:
-            continue
-        bucket, level = item
+    for suffix, bucket, level in limits:
         headers[f"x-ratelimit-limit-{suffix}"] = str(int(bucket.capacity))
         headers[f"x-ratelimit-remaining-{suffix}"] = str(max(0, math.floor(level + 1e-9)))
         headers[f"x-ratelimit-reset-{suffix}"] = format_reset(seconds_until_full(level, bucket))

@@ -37,6 +37,8 @@ from extproc.admin import AdminServer
 from extproc.metrics import Metrics
 from extproc.policy import Policy, PolicyError, compile_policy, parse_policy
 from extproc.reload import PolicyReloader
+from extproc.scheduler import retry_after
+from extproc.service.composition import compose_core, compose_reloader
 from extproc.service.engine_watch import EngineWatcher
 from extproc.service.gateway import Gateway
 from extproc.service.server import start_grpc_server
@@ -45,7 +47,6 @@ from extproc.service.workers import WORKER_COUNT_ENV
 log = logging.getLogger("extproc.serve")
 
 LOG_FORMATS = ("json", "text")
-DRAIN_RETRY_AFTER_S = 5
 _DRAIN_POLL_S = 0.05
 
 # -- logging ---------------------------------------------------------------------------------------
@@ -243,14 +244,7 @@ def _log_policy_errors(errors: Sequence[str], message: str) -> None:
 
 def drain_queued(gateway: Gateway) -> int:
     """Answer every still-queued request with 503 + Retry-After; returns how many."""
-    return gateway.drain_queued(retry_after_s=DRAIN_RETRY_AFTER_S)
-
-
-async def _maybe_await(method: Any) -> None:
-    if callable(method):
-        result = method()
-        if asyncio.iscoroutine(result):
-            await result
+    return gateway.drain_queued(retry_after_s=retry_after.DRAINING_S)
 
 
 class Service:
@@ -334,26 +328,23 @@ class Service:
         # Worker processes of one supervisor share the engines (extproc.service.workers).
         workers = os.environ.get(WORKER_COUNT_ENV, "1").strip()
         sole_client = not workers.isdigit() or int(workers) <= 1
-        gateway = Gateway(policy, metrics=self.metrics, sole_client=sole_client)
-        self.gateway = gateway
-        # Connect the admission state store (a no-op in memory) before taking streams.
-        await _maybe_await(getattr(gateway, "start", None))
-        self.metrics.policy_tenants.set(len(policy.tenants))
-        self.reloader = PolicyReloader(
-            path=options.policy,
-            apply=gateway.apply_policy,
-            metrics=self.metrics,
-            interval_s=options.reload_interval,
+        core = compose_core(policy, self.metrics, sole_client)
+        gateway = self.gateway = core.gateway
+        reloader = compose_reloader(gateway, options.policy, self.metrics, options.reload_interval)
+        self.engine_watch = EngineWatcher(
+            core.capacities,
+            lambda: {name: list(pool.endpoints) for name, pool in gateway.policy.pools.items()},
+            core.clock,
+            core.admission.pump,
+            gateway.engine_poller,
         )
+        # Connect the admission state store (a no-op in memory) before taking streams.
+        await gateway.start()
+        self.metrics.policy_tenants.set(len(policy.tenants))
+        self.reloader = reloader
         self.reloader.mark_loaded(text)
         self.admin.gateway = gateway
         self.admin.reloader = self.reloader
-        self.engine_watch = EngineWatcher(
-            gateway.capacities,
-            lambda: {name: list(pool.endpoints) for name, pool in gateway.policy.pools.items()},
-            gateway.clock,
-            gateway.admission.pump,
-        )
         self.engine_watch.start()
         self.server, self.grpc_port = await start_grpc_server(gateway, options.grpc)
         self.admin.serving = True
@@ -433,13 +424,13 @@ class Service:
 
     async def close(self) -> None:
         if self.engine_watch is not None:
-            await self.engine_watch.stop()
+            self.engine_watch.stop()
         if self.reloader is not None:
             await self.reloader.stop()
         if self.server is not None and not self.admin.draining:
             await self.server.stop(0)
         if self.gateway is not None:
-            await _maybe_await(getattr(self.gateway, "close", None))
+            await self.gateway.close()
         await self.admin.stop()
 
     async def run(self) -> int:

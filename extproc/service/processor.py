@@ -1,4 +1,8 @@
-"""One AdmissionProcessor per ext_proc stream (= per HTTP request), one method per phase."""
+"""One AdmissionProcessor per ext_proc stream (= per HTTP request), one method per phase.
+
+It decides the request (identify, parse, estimate, queue for admission, forward) through its
+`AdmissionPort`, filling in the request's record (extproc.service.request) as it goes.
+"""
 
 from __future__ import annotations
 
@@ -8,7 +12,6 @@ import os
 import secrets
 import time
 from collections.abc import AsyncIterator, Iterable
-from dataclasses import dataclass, field
 
 import orjson
 from envoy.config.core.v3.base_pb2 import HeaderMap, HeaderValue
@@ -25,7 +28,8 @@ from extproc.openai_request import InferenceRequest, inference_path, parse_infer
 from extproc.routing import choose_pool
 from extproc.scheduler import Ticket
 from extproc.service import responses
-from extproc.service.gateway import Gateway
+from extproc.service.ports import AdmissionPort
+from extproc.service.request import Request
 from extproc.types import (
     DEADLINE_HEADER,
     GATEWAY_REQUEST_ID_HEADER,
@@ -42,39 +46,6 @@ _ids = itertools.count(1)
 # Replicas in containers often all run as pid 1 and start in the same second: add randomness.
 _ID_PREFIX = f"{os.getpid():x}-{int(time.time()):x}-{secrets.token_hex(3)}"
 _HOLD_MARGIN_S = 5.0
-
-
-@dataclass
-class RequestState:
-    """Everything one request accumulates across its phases."""
-
-    request_id: str
-    started: float
-    method: str = ""
-    path: str = ""
-    headers: dict[str, str] = field(default_factory=dict)
-    tenant: str | None = None
-    tier: str | None = None
-    pool: str | None = None
-    inference: InferenceRequest | None = None
-    prompt_estimate: int = 0
-    budget: int = 0
-    grant: Grant | None = None
-    queued: bool = False
-    outcome: Outcome | None = None
-    error: GatewayError | None = None
-    accounting_attached: bool = False
-    admission_ended_at: float | None = None
-    released: bool = False
-    settled: bool = False
-    output_charged: int = 0
-    usage_input: int | None = None
-    usage_output: int | None = None
-    usage_provisional: bool = False
-    """Cut short: the usage above is what passed Envoy; the reconciler corrects the charge."""
-    upstream_status: int | None = None
-    upstream: str | None = None
-    recorded: bool = False
 
 
 def header_map(headers: HttpHeaders) -> dict[str, str]:
@@ -110,11 +81,17 @@ def _int_header(headers: dict[str, str], name: str) -> int | None:
 
 
 class AdmissionProcessor:
-    def __init__(self, gateway: Gateway) -> None:
-        self.gateway = gateway
-        self.policy = gateway.policy
-        self.state = RequestState(request_id=f"{_ID_PREFIX}-{next(_ids)}", started=time.monotonic())
+    def __init__(self, port: AdmissionPort) -> None:
+        self.port = port
+        self.policy = port.policy
+        self.state = Request(request_id=f"{_ID_PREFIX}-{next(_ids)}", started=time.monotonic())
+        self._headers: dict[str, str] = {}
+        self._method = ""
         self._turn: asyncio.Future[Grant] | None = None
+
+    @property
+    def request_id(self) -> str:
+        return self.state.request_id
 
     def _reject(self, error: GatewayError) -> ProcessingResponse:
         self.state.outcome = error.outcome
@@ -134,21 +111,21 @@ class AdmissionProcessor:
         if state.pool is not None:
             values.append((POOL_HEADER, state.pool))
         removed = [
-            h for h in OWNED_HEADERS if h in state.headers and all(h != name for name, _ in values)
+            h for h in OWNED_HEADERS if h in self._headers and all(h != name for name, _ in values)
         ]
         return values, removed
 
     def on_request_headers(self, message: HttpHeaders) -> ProcessingResponse:
         state = self.state
-        state.headers = header_map(message)
-        state.method = state.headers.get(":method", "")
-        state.path = state.headers.get(":path", "")
+        headers = self._headers = header_map(message)
+        self._method = headers.get(":method", "")
+        state.path = headers.get(":path", "")
         try:
-            state.tenant = identify_tenant(self.policy, state.headers)
+            state.tenant = identify_tenant(self.policy, headers)
             tenant = self.policy.tenants[state.tenant]
             state.tier = tenant.tier
             limit = self.policy.source.gateway.max_body_bytes
-            length = _int_header(state.headers, "content-length")
+            length = _int_header(headers, "content-length")
             if length is not None and length > limit:
                 raise too_large(limit)
         except GatewayError as error:
@@ -167,7 +144,7 @@ class AdmissionProcessor:
             yield responses.continue_request_body()
             return
         path = inference_path(state.path)
-        if path is None or state.method != "POST":
+        if path is None or self._method != "POST":
             state.outcome = Outcome.ADMITTED
             yield responses.continue_request_body(*self._upstream_headers(), clear_route_cache=True)
             return
@@ -176,8 +153,8 @@ class AdmissionProcessor:
             if len(message.body) > limit:
                 raise too_large(limit)
             request = parse_inference_request(path, message.body)
-            state.inference = request
-            state.prompt_estimate = self.gateway.estimator.estimate_prompt(request.prompt)
+            state.prompt = request.prompt
+            state.prompt_estimate = self.port.estimate_prompt(request.prompt)
             max_output = request.max_tokens or self.policy.source.gateway.default_max_tokens
             state.budget = state.prompt_estimate + max_output
             state.pool = choose_pool(self.policy, state.budget)
@@ -185,9 +162,8 @@ class AdmissionProcessor:
         except GatewayError as error:
             yield self._reject(error)
             return
-        turn = self._turn = self.gateway.admission.submit(ticket)
+        turn = self._turn = self.port.submit(ticket)
         if not turn.done():
-            state.queued = True
             assert state.tenant is not None
             hold_s = self.policy.tenants[state.tenant].limits.max_queue_wait + _HOLD_MARGIN_S
             yield responses.hold(min(hold_s, 3600.0))
@@ -201,7 +177,7 @@ class AdmissionProcessor:
                 self._settle_turn(turn)
             self._turn = None
         state.outcome = Outcome.ADMITTED
-        self.gateway.admitted(state)
+        self.port.admitted(state)
         yield self._forward(request)
 
     def _forward(self, request: InferenceRequest) -> ProcessingResponse:
@@ -229,7 +205,7 @@ class AdmissionProcessor:
         possibly while the hold reply was being sent, before the wait even began."""
         if turn.cancelled() or not turn.done():
             turn.cancel()
-            self.gateway.admission.cancel(self.state.request_id)
+            self.port.cancel(self.state.request_id)
             self.state.outcome = Outcome.CANCELLED
         elif turn.exception() is None:
             # Admitted in the same instant the stream was cancelled: finish() releases it.
@@ -239,8 +215,8 @@ class AdmissionProcessor:
         state = self.state
         assert state.tenant is not None and state.tier is not None and state.pool is not None
         tenant = self.policy.tenants[state.tenant]
-        priority = self.policy.clamp_priority(tenant, _int_header(state.headers, PRIORITY_HEADER))
-        deadline_ms = _int_header(state.headers, DEADLINE_HEADER)
+        priority = self.policy.clamp_priority(tenant, _int_header(self._headers, PRIORITY_HEADER))
+        deadline_ms = _int_header(self._headers, DEADLINE_HEADER)
         relative = (
             deadline_ms / 1000.0
             if deadline_ms is not None and deadline_ms > 0
@@ -253,7 +229,7 @@ class AdmissionProcessor:
             input_tokens=state.prompt_estimate,
             max_output_tokens=max_output,
             priority=priority,
-            deadline=None if relative is None else self.gateway.clock.now() + relative,
+            deadline=None if relative is None else self.port.now() + relative,
         )
 
     def on_response_headers(self, message: HttpHeaders) -> ProcessingResponse:
@@ -272,4 +248,4 @@ class AdmissionProcessor:
             self._settle_turn(self._turn)
         if self.state.outcome is None:
             self.state.outcome = Outcome.CANCELLED
-        self.gateway.admission_stream_ended(self.state)
+        self.port.admission_stream_ended(self.state)

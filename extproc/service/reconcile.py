@@ -23,16 +23,14 @@ come within `max_wait_s` (the engine never idle) is given up: the provisional ch
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import logging
 import math
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-import aiohttp
-
-from extproc.service.engine_watch import EngineReading, read_engine, stop_poller
+from extproc.service.engine_metrics import EngineReading
+from extproc.service.engine_poller import EnginePoller, Readings
 
 log = logging.getLogger("extproc.reconcile")
 
@@ -197,12 +195,14 @@ class ReconcileHooks:
 
 
 class Reconciler:
-    """Reads engines at quiet moments and hands the ledger's corrections to the gateway."""
+    """Reads engines at quiet moments and hands the ledger's corrections to the gateway (a
+    subscriber of the engine poller)."""
 
     def __init__(
         self,
         ledger: EngineLedger,
         hooks: ReconcileHooks,
+        poller: EnginePoller,
         *,
         settle_delay_s: float = 0.2,
         interval_s: float = 1.0,
@@ -210,68 +210,69 @@ class Reconciler:
     ) -> None:
         self.ledger = ledger
         self.hooks = hooks
+        self.poller = poller
         self.settle_delay_s = settle_delay_s
         self.interval_s = interval_s
         self.timeout_s = timeout_s
-        self._wake = asyncio.Event()
-        self._task: asyncio.Task[None] | None = None
-        self._session: aiohttp.ClientSession | None = None
+        self._next_at = 0.0
+        self._reading: dict[str, str] = {}
+        """Endpoint -> pool of the engines being read (between `wanted` and `deliver`)."""
+        self._admissions_seen = 0
 
     def start(self) -> None:
-        if self._task is None:
-            self._task = asyncio.get_running_loop().create_task(self._run(), name="reconcile")
+        self._schedule()
+        self.poller.subscribe(self)
 
     def wake(self) -> None:
         """A pool went idle with corrections due: look soon."""
-        self._wake.set()
+        self._next_at = min(self._next_at, time.monotonic() + self.settle_delay_s)
+        self.poller.reschedule()
 
-    async def stop(self) -> None:
-        task, self._task = self._task, None
-        session, self._session = self._session, None
-        await stop_poller(task, session)
+    def _schedule(self) -> None:
+        # Every look waits the settle delay first, to let the engines see the aborts of
+        # streams that just ended. Corrections still due are retried at once; an engine
+        # without a base is looked at often: until it has one, its cut-short streams cannot
+        # be corrected.
+        if self.ledger.pending():
+            wait = 0.0
+        elif any(e.base_prompt is None for e in self.ledger.engines.values()):
+            wait = self.settle_delay_s
+        else:
+            wait = self.interval_s
+        self._next_at = time.monotonic() + wait + self.settle_delay_s
 
-    async def _run(self) -> None:
-        while True:
-            # An engine without a base is looked at often: until it has one, its cut-short
-            # streams cannot be corrected.
-            missing = any(e.base_prompt is None for e in self.ledger.engines.values())
-            interval = self.settle_delay_s if missing else self.interval_s
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), interval)
-            self._wake.clear()
-            try:
-                # Let the engines see the aborts of streams that just ended.
-                await asyncio.sleep(self.settle_delay_s)
-                await self.run_once()
-            except asyncio.CancelledError:
-                raise
-            except Exception:  # one failed pass must not stop the corrections
-                log.exception("reconciliation pass failed")
+    def due_in(self) -> float:
+        return self._next_at - time.monotonic()
 
-    async def run_once(self) -> int:
-        """Read every engine that needs it whose pool is idle; returns corrections applied."""
+    def wanted(self) -> dict[str, float]:
+        """Give up what waited too long, then: every engine that needs a reading whose pool
+        is idle."""
+        self._schedule()  # if no delivery follows, look again as usual
         for item in self.ledger.expire(self.hooks.now()):
             self.hooks.give_up(item)
+        self._reading = {
+            endpoint: pool for endpoint, pool in self.ledger.wanted() if self.hooks.pool_idle(pool)
+        }
+        self._admissions_seen = self.hooks.admissions()
+        return dict.fromkeys(self._reading, self.timeout_s)
+
+    def deliver(self, readings: Readings) -> int:
+        """Balance the engines that were idle throughout; returns corrections applied."""
+        reading_pools, self._reading = self._reading, {}
         applied = 0
-        for endpoint, pool in self.ledger.wanted():
-            if not self.hooks.pool_idle(pool):
-                continue
-            seen = self.hooks.admissions()
-            reading = await read_engine(self._client(), endpoint)
+        for endpoint, pool in reading_pools.items():
+            reading = readings.get(endpoint)
             if reading is None or not reading.idle:
                 continue
-            if self.hooks.admissions() != seen or not self.hooks.pool_idle(pool):
+            if self.hooks.admissions() != self._admissions_seen or not self.hooks.pool_idle(pool):
                 continue  # a request started meanwhile: the reading may not match the books
             for correction in self.ledger.balance(endpoint, reading):
                 self.hooks.apply(correction)
                 applied += 1
-        if self.ledger.pending():
-            self._wake.set()  # still due: try again after the settle delay
+        self._schedule()
         return applied
 
-    def _client(self) -> aiohttp.ClientSession:
-        if self._session is None or self._session.closed:
-            self._session = aiohttp.ClientSession(
-                timeout=aiohttp.ClientTimeout(total=self.timeout_s)
-            )
-        return self._session
+    async def run_once(self) -> int:
+        """Read every engine that needs it whose pool is idle, now; returns corrections applied.
+        For before `start`: once subscribed, the poller's ticks feed it."""
+        return self.deliver(await self.poller.read(self.wanted()))

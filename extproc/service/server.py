@@ -14,7 +14,7 @@ from envoy.service.ext_proc.v3.external_processor_pb2 import (
 )
 
 from extproc.service.accounting import AccountingProcessor
-from extproc.service.gateway import Gateway
+from extproc.service.ports import StreamPorts
 from extproc.service.processor import AdmissionProcessor
 from extproc.service.roles import ACCOUNTING_ROLE, ROLE_METADATA
 
@@ -32,8 +32,8 @@ GRPC_SERVER_OPTIONS: list[tuple[str, int]] = [
 
 
 class ExternalProcessorService(ext_proc_grpc.ExternalProcessorServicer):  # type: ignore[misc]
-    def __init__(self, gateway: Gateway) -> None:
-        self.gateway = gateway
+    def __init__(self, ports: StreamPorts) -> None:
+        self.ports = ports
 
     async def Process(
         self,
@@ -43,7 +43,7 @@ class ExternalProcessorService(ext_proc_grpc.ExternalProcessorServicer):  # type
         if (ROLE_METADATA, ACCOUNTING_ROLE) in (context.invocation_metadata() or ()):
             await self._account(request_iterator)
             return
-        processor = AdmissionProcessor(self.gateway)
+        processor = AdmissionProcessor(self.ports)
         try:
             async for request in request_iterator:
                 if request.HasField("request_body"):
@@ -59,14 +59,14 @@ class ExternalProcessorService(ext_proc_grpc.ExternalProcessorServicer):  # type
                     log.warning("unexpected ext_proc phase %s", request.WhichOneof("request"))
         except Exception:
             # Never let an exception become an opaque failure without a trace in the log.
-            log.exception("ext_proc stream failed (request %s)", processor.state.request_id)
+            log.exception("ext_proc stream failed (request %s)", processor.request_id)
             raise
         finally:
             processor.finish()
 
     async def _account(self, request_iterator: AsyncIterator[ProcessingRequest]) -> None:
         """Observability-mode stream: Envoy does not wait for replies, so we send none."""
-        processor = AccountingProcessor(self.gateway)
+        processor = AccountingProcessor(self.ports)
         try:
             async for request in request_iterator:
                 if request.HasField("response_body"):
@@ -82,9 +82,9 @@ class ExternalProcessorService(ext_proc_grpc.ExternalProcessorServicer):  # type
             processor.finish()
 
 
-async def start_grpc_server(gateway: Gateway, address: str) -> tuple[grpc.aio.Server, int]:
+async def start_grpc_server(ports: StreamPorts, address: str) -> tuple[grpc.aio.Server, int]:
     server = grpc.aio.server(options=GRPC_SERVER_OPTIONS)
-    ext_proc_grpc.add_ExternalProcessorServicer_to_server(ExternalProcessorService(gateway), server)
+    ext_proc_grpc.add_ExternalProcessorServicer_to_server(ExternalProcessorService(ports), server)
     port = server.add_insecure_port(address)
     if port == 0:
         raise OSError(f"cannot bind the gRPC server to {address}")

@@ -1,9 +1,39 @@
 """Admission state shared by several processes and replicas (state backend `redis`).
 
+Each process keeps its own pure `Scheduler` for what only it can see: its queue, ordered tier ->
+fair share -> tenant order. What must hold across processes is decided in Redis, atomically,
+in one Lua script per batch of operations (extproc/state/admission.lua, operations in
+extproc.state.ops):
+
+1. **submit** -- the tenant's requests/tokens buckets are taken in Redis (all or nothing, exact
+   Retry-After from the server's clock) before the request joins the local queue. When nothing
+   waits for the pool here and the local view says it fits (the common, uncontended case),
+   the same round trip also runs the gate below: a *pre-grant* the local scheduler then uses
+   when it dispatches the request (released if the request leaves the queue otherwise);
+2. **gate** -- an admission the local scheduler chose is *tentative* until Redis grants it: pool
+   capacity (a lease set with expiry), the tenant's concurrency (another lease set), strict tier
+   priority (no higher tier waiting for the pool on any process) and fair share (the tenant's
+   shared virtual token counter within `fair_slack` of the least-served tenant waiting in its
+   tier, on any process). Refused, the admission is undone (`Scheduler.requeue`): for lack of
+   capacity the pool is blocked until a release event; for the other reasons the tenant is
+   parked in that pool until a release event or the re-check timer (every ~25 ms);
+3. **backlog registry** -- which tenants wait for which pool on this process is published (and
+   heart-beaten, `backlog_ttl`), so the other processes' gates see it;
+4. **release** -- exactly once, in Redis, by request id: settles the tokens bucket and the fair
+   share against real usage and frees capacity, then publishes an event that wakes the other
+   processes. The accounting stream may run on another process than the admission stream: it
+   settles through Redis by request id (`attach_remote` / `settle_remote`); the admitting
+   process hears the release event and frees its local lease.
+5. **leases** are renewed by their holder every `min(lease_ttl, backlog_ttl) / 3`; a crashed
+   holder's leases expire after `lease_ttl` and the next look at the pool reclaims them;
+6. **failure** -- Redis failing switches to the `local` or `closed` mode until it answers
+   again (extproc.state.recovery).
+
 `build_admission(policy, clock, metrics)` returns the scheduler and admission controller a
-gateway runs on: the in-process pair for `state.backend: memory` (the default), and for
-`redis` a scheduler whose limit store and pool capacities are the shared ones, driven by a
-`SharedAdmissionController` (see extproc.state.controller for the design).
+gateway runs on. The controller is the same for every backend (extproc.admission); the
+backend is its gate: `LocalGate` for `state.backend: memory` (the default), `RedisGate`
+(extproc.state.gate) for `redis`, with a scheduler whose limit store and pool capacities are
+the shared ones (extproc.state.store, extproc.state.capacity).
 """
 
 from __future__ import annotations
@@ -17,6 +47,7 @@ from extproc.policy.model import Pool
 from extproc.scheduler import Capacity, Clock, Scheduler
 from extproc.state.capacity import SharedCapacity
 from extproc.state.fallback import local_share
+from extproc.state.ops import Op
 from extproc.state.store import SharedLimitStore
 
 
@@ -37,7 +68,7 @@ def build_admission(
             scheduler = Scheduler(policy, clock, capacity_factory=capacity_factory)
         return scheduler, AdmissionController(scheduler, metrics)
     from extproc.state.backend import RedisBackend
-    from extproc.state.controller import SharedAdmissionController, new_replica_id
+    from extproc.state.gate import RedisGate, new_replica_id
     from extproc.state.metrics import StateMetrics
 
     backend = RedisBackend(policy.source.state, replica or new_replica_id())
@@ -48,18 +79,16 @@ def build_admission(
         capacities[name] = made
         return made
 
-    controller: SharedAdmissionController | None = None
+    gate: RedisGate | None = None
 
-    def send(op: dict[str, object]) -> None:
-        assert controller is not None
-        controller.batcher.fire(op)
+    def send(op: Op) -> None:
+        assert gate is not None
+        gate.batcher.fire(op)
 
     store = SharedLimitStore(send)
     scheduler = Scheduler(policy, clock, store, capacity_factory=capacity)
-    controller = SharedAdmissionController(
-        scheduler, metrics, policy, backend, store, capacities, StateMetrics(metrics.registry)
-    )
-    return scheduler, controller
+    gate = RedisGate(policy, backend, store, capacities, StateMetrics(metrics.registry))
+    return scheduler, AdmissionController(scheduler, metrics, gate)
 
 
 __all__ = ["SharedCapacity", "SharedLimitStore", "build_admission", "local_share"]

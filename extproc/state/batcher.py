@@ -11,7 +11,8 @@ import asyncio
 import contextlib
 from collections.abc import Awaitable, Callable, Sequence
 
-from extproc.state.backend import Op, Reply, StateUnavailable
+from extproc.state.backend import StateUnavailable
+from extproc.state.ops import Op, Reply
 
 RunBatch = Callable[[Sequence[Op]], Awaitable[list[Reply]]]
 
@@ -89,3 +90,10 @@ class Batcher:
 def _retrieve(future: asyncio.Future[Reply]) -> None:
     if not future.cancelled():
         future.exception()
+
+
+def failure(future: asyncio.Future[Reply]) -> BaseException | None:
+    """Why a batched operation failed (None: it has a reply)."""
+    if future.cancelled():
+        return StateUnavailable("cancelled")
+    return future.exception()

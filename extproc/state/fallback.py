@@ -1,7 +1,7 @@
 """The local fallback: each process enforces its share of every limit while Redis is away.
 
 With `state.replicas: N` processes expected, a process keeps 1/N of each tenant's
-requests_per_minute, tokens_per_minute and max_concurrency, and 1/N of each pool's
+rate-limit dimensions (extproc.scheduler.ratelimit) and max_concurrency, and 1/N of each pool's
 max_inflight and max_inflight_tokens (rounded up, at least 1; a pool's token room never
 below one request of its largest size, so every routable request can still pass). Queue
 settings (max_queued, max_queue_wait) and everything else are unchanged.
@@ -13,6 +13,7 @@ import math
 
 from extproc.policy.model import Limits, Pool, Tenant
 from extproc.policy.runtime import Policy, compile_policy
+from extproc.scheduler.ratelimit import DIMENSIONS
 
 
 def _share(value: int | None, replicas: int) -> int | None:
@@ -20,12 +21,9 @@ def _share(value: int | None, replicas: int) -> int | None:
 
 
 def _limits(limits: Limits, replicas: int) -> Limits:
+    fields = [dimension.policy_field for dimension in DIMENSIONS] + ["max_concurrency"]
     return limits.model_copy(
-        update={
-            "requests_per_minute": _share(limits.requests_per_minute, replicas),
-            "tokens_per_minute": _share(limits.tokens_per_minute, replicas),
-            "max_concurrency": _share(limits.max_concurrency, replicas),
-        }
+        update={field: _share(getattr(limits, field), replicas) for field in fields}
     )
 
 

@@ -1,7 +1,7 @@
 """`SharedLimitStore`: the scheduler's synchronous `LimitStore` on top of the shared store.
 
 The scheduler core calls its store synchronously; Redis answers asynchronously. The adapter
-(`SharedAdmissionController`) therefore takes a request's buckets in Redis *before* it calls
+(`RedisGate`) therefore takes a request's buckets in Redis *before* it calls
 `Scheduler.submit`, and hands the result over with `prepare`: the `try_take` that submit makes
 right after returns it (nothing else runs in between: one event loop, no await).
 
@@ -27,8 +27,9 @@ from extproc.scheduler.limits import (
     TakeResult,
     refilled,
 )
+from extproc.state.ops import GiveBack, Op
 
-SendOp = Callable[[dict[str, object]], None]
+SendOp = Callable[[Op], None]
 
 
 class SharedLimitStore:
@@ -70,10 +71,7 @@ class SharedLimitStore:
 
     def give_back(self, bucket: Bucket, amount: float, now: float) -> None:
         if self.shared:
-            self._send(
-                {"o": "give", "k": bucket.key, "c": bucket.capacity, "r": bucket.refill_per_second,
-                 "a": amount}
-            )  # fmt: skip
+            self._send(GiveBack(bucket, amount))
             return
         self.local.give_back(bucket, amount, now)
         self._owe(bucket, -amount)

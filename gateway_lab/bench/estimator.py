@@ -36,6 +36,7 @@ import orjson
 from extproc.estimation import CATEGORIES, TokenEstimator
 from extproc.openai_request import CHAT_PATH, PromptParts, parse_inference_request
 from extproc.policy.model import Estimation
+from gateway_lab.bench.figures import pyplot, save_figure
 
 MODES = ("flat", "prior", "calibrated", "conservative", "tiktoken")
 GROUPS = ("code", "prose", "chat", "json", "cjk")
@@ -366,11 +367,7 @@ def format_table(result: dict[str, Any]) -> str:
 
 
 def _plot(result: dict[str, Any], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     keys = [k for k in result["rows"] if k in GROUPS or k == "all"]
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(9, 6.5), sharex=True)
     width = 0.8 / len(MODES)
@@ -384,9 +381,7 @@ def _plot(result: dict[str, Any], path: Path) -> None:
     bottom.set_xticks(range(len(keys)), keys)
     top.legend(ncol=len(MODES), fontsize=8)
     top.set_title("Prompt-token estimate vs cl100k (held-out requests)")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path, dpi=110)
 
 
 # -- command line ------------------------------------------------------------------------

@@ -23,44 +23,23 @@ VTC bound 2 x U (U: the largest single-request cost).
 from __future__ import annotations
 
 import argparse
-import asyncio
 import math
-import random
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 from extproc.policy import hash_key
-from gateway_lab.bench.common import (
-    RECORD_COLUMNS,
-    EngineSet,
-    Load,
-    Meter,
-    Record,
-    Spec,
-    add_scenario_arguments,
-    chosen_timing,
-    engine_set,
-    fmt,
-    gateway_stack,
-    jain_index,
-    log,
-    open_loop,
-    progress,
-    prompt_text,
-    pyplot,
-    run_async,
-    save_figure,
-    save_results,
-    status_counts,
-    wait_engines_idle,
-)
+from gateway_lab.bench import scenario
+from gateway_lab.bench.figures import pyplot, save_figure
+from gateway_lab.bench.loadgen import Load, open_loop
+from gateway_lab.bench.monitor import log
+from gateway_lab.bench.records import RECORD_COLUMNS, Meter, Record, Spec
+from gateway_lab.bench.stack import PROFILE, EngineSet
+from gateway_lab.bench.stats import fmt, jain_index, status_counts
 
 NAME = "token-fairness"
 DEFAULT_OUT = Path("results/token-fairness")
-POOL = "main"
 TENANTS = ("long", "short")
 KEYS = {"long": "bench-long-key", "short": "bench-short-key"}
 INPUT_WEIGHT = 1.0
@@ -118,7 +97,7 @@ tenants:
   long: {{tier: standard, api_keys: ["{hash_key(KEYS["long"])}"], limits: {limits}}}
   short: {{tier: standard, api_keys: ["{hash_key(KEYS["short"])}"], limits: {limits}}}
 pools:
-  {POOL}: {{max_total_tokens: 131072, max_inflight: {work.max_inflight},
+  {scenario.POOL}: {{max_total_tokens: 131072, max_inflight: {work.max_inflight},
           max_inflight_tokens: 1000000000, endpoints: ["{endpoint}"]}}
 fairness: {{policy: {arm.policy}, input_weight: {arm.input_weight},
            output_weight: {arm.output_weight}, quantum: 64}}
@@ -128,14 +107,9 @@ gateway: {{default_max_tokens: 256, message_timeout: 10s}}
 
 
 def maker(tenant: str, prompt: int, work: Workload, seed: int) -> Callable[[int], Spec]:
-    rng = random.Random(seed)
-    words = prompt_text(math.ceil(prompt * (1 + work.spread)), rng)
-
-    def make(_index: int) -> Spec:
-        tokens = max(8, round(prompt * rng.uniform(1 - work.spread, 1 + work.spread)))
-        return Spec(tenant, KEYS[tenant], words[: 4 * (tokens - 4)], tokens, work.output)
-
-    return make
+    return scenario.spread_maker(
+        tenant, KEYS[tenant], prompt, work.output, work.spread, seed, vary_output=False
+    )
 
 
 def request_cost(record: Record) -> float:
@@ -184,7 +158,7 @@ def service_figures(
     }
 
 
-async def drive(
+async def drive_arm(
     arm: Arm, url: str, work: Workload, timing: Timing, seed: int
 ) -> tuple[Load, Meter, float]:
     meter = Meter(timing.bin_s, INPUT_WEIGHT, OUTPUT_WEIGHT)
@@ -194,25 +168,19 @@ async def drive(
             open_loop(load, maker(t, p, work, seed + i), work.rate, end, seed=seed + 10 + i)
             for i, (t, p) in enumerate((("long", work.long_prompt), ("short", work.short_prompt)))
         ]
-        ticker = asyncio.ensure_future(progress(NAME, arm.name, load, end))
-        try:
-            await asyncio.gather(*jobs)
-        finally:
-            ticker.cancel()
-            await asyncio.gather(ticker, return_exceptions=True)
+        await scenario.drive(NAME, arm.name, load, jobs, end)
     return load, meter, end
 
 
 def run_arm(
     arm: Arm, engines: EngineSet, workdir: Path, work: Workload, timing: Timing, seed: int
 ) -> dict[str, Any]:
-    run_async(wait_engines_idle(engines.all()))
-    log(NAME, f"arm {arm.name}: {arm.label}")
-    endpoint = engines.endpoints[POOL][0]
-    with gateway_stack(
-        workdir / arm.name, engines, policy_text(endpoint, arm, work), "service"
+    endpoint = engines.endpoints[scenario.POOL][0]
+    text = policy_text(endpoint, arm, work)
+    with scenario.arm_gateway(
+        NAME, arm.name, workdir, engines, text, "service", announce=f"arm {arm.name}: {arm.label}"
     ) as gateway:
-        load, meter, end = run_async(drive(arm, gateway.url, work, timing, seed))
+        load, meter, end = scenario.run_async(drive_arm(arm, gateway.url, work, timing, seed))
     start = timing.warmup_s
     longest_prompt = math.ceil(work.long_prompt * (1 + work.spread))
     unit = INPUT_WEIGHT * longest_prompt + OUTPUT_WEIGHT * work.output
@@ -319,42 +287,28 @@ def plot(results: dict[str, dict[str, Any]], timing: Timing, path: Path) -> None
 def run(
     out: Path,
     workdir: Path,
+    work: Workload,
+    timing: Timing,
     *,
-    quick: bool = False,
-    work: Workload | None = None,
-    timing: Timing | None = None,
     seed: int = 11,
-    profile: str = "a100-llama3-8b",
+    profile: str = PROFILE,
 ) -> dict[str, Any]:
-    work = work or Workload()
-    timing = timing or (Timing.quick() if quick else Timing())
-    began = time.perf_counter()
-    results: dict[str, dict[str, Any]] = {}
-    log(NAME, f"{len(ARMS)} arms, {timing.measure_s:.0f}s measured each; profile {profile}")
-    with engine_set(workdir / "engines", {POOL: 1}, profile) as engines:
-        for arm in ARMS:
-            results[arm.name] = run_arm(arm, engines, workdir, work, timing, seed)
-    report = {
-        "scenario": NAME,
-        "profile": profile,
-        "workload": work.__dict__,
-        "timing": timing.__dict__,
-        "weights": {"input": INPUT_WEIGHT, "output": OUTPUT_WEIGHT},
-        "wall_s": time.perf_counter() - began,
-        "arms": results,
-    }
-    save_results(
-        out,
-        report,
-        "token-fairness.png",
-        lambda path: plot(results, timing, path),
-        lambda: print_table(results),
-    )
-    return report
+
+    def conclude(results: scenario.Results) -> scenario.Conclusion:
+        return scenario.Conclusion(
+            None, lambda path: plot(results, timing, path), lambda: print_table(results)
+        )
+
+    return scenario.run_scenario(
+        NAME, out, workdir, profile=profile, work=work, timing=timing,
+        settings={"weights": {"input": INPUT_WEIGHT, "output": OUTPUT_WEIGHT}}, arms=ARMS,
+        run_arm=lambda arm, engines, _results: run_arm(arm, engines, workdir, work, timing, seed),
+        conclude=conclude, figure="token-fairness.png",
+    )  # fmt: skip
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    add_scenario_arguments(parser, DEFAULT_OUT, "measured seconds per arm (default 50)")
+    scenario.add_scenario_arguments(parser, DEFAULT_OUT, "measured seconds per arm (default 50)")
     parser.add_argument("--rate", type=float, help="requests/s per tenant (default 8)")
     parser.add_argument("--max-inflight", type=int, help="door capacity (default 16)")
     parser.add_argument("--seed", type=int, default=11)
@@ -366,21 +320,12 @@ def main(args: argparse.Namespace) -> int:
         work = replace(work, rate=args.rate)
     if args.max_inflight:
         work = replace(work, max_inflight=args.max_inflight)
-    timing = chosen_timing(args, Timing(), Timing.quick())
-    run(
-        args.out,
-        args.workdir or args.out / "stacks",
-        quick=args.quick,
-        work=work,
-        timing=timing,
-        seed=args.seed,
-    )
+    timing = scenario.chosen_timing(args, Timing(), Timing.quick())
+    run(args.out, scenario.workdir_of(args), work, timing, seed=args.seed)
     return 0
 
 
 if __name__ == "__main__":
-    _parser = argparse.ArgumentParser(
-        prog="python -m gateway_lab.bench.fairness", description=__doc__
+    raise SystemExit(
+        scenario.script_main("gateway_lab.bench.fairness", __doc__, add_arguments, main)
     )
-    add_arguments(_parser)
-    raise SystemExit(main(_parser.parse_args()))

@@ -26,6 +26,7 @@ from envoy.service.ext_proc.v3.external_processor_pb2 import HttpBody
 
 from extproc.policy import load_policy
 from extproc.service.accounting import AccountingProcessor
+from extproc.service.composition import compose
 from extproc.service.gateway import Gateway
 from extproc.service.processor import AdmissionProcessor, http_headers
 from gateway_lab.bench.overhead import BENCH_KEY, bench_policy
@@ -111,7 +112,7 @@ async def measure(requests: int, chunks: int) -> dict[str, float]:
     with tempfile.TemporaryDirectory(prefix="extproc-inprocess-") as tmp:
         path = Path(tmp) / "policy.yaml"
         path.write_text(bench_policy("127.0.0.1:1", "127.0.0.1:2"))
-        gateway = Gateway(load_policy(path))
+        gateway = compose(load_policy(path))
     request = OneRequest(chunks)
     totals: dict[str, float] = defaultdict(float)
     for _ in range(max(1, requests // 4)):

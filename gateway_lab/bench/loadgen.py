@@ -1,4 +1,11 @@
-"""An HTTP load generator for OpenAI-style streamed requests: time to first byte, end, chunks."""
+"""One load generator for OpenAI-style streamed chat requests, closed-loop or open-loop.
+
+`Load` sends requests through one gateway and records each one (`Record`: the time of the first
+SSE data chunk, output tokens counted as chunks arrive, the gateway's queue wait), feeding a
+`Meter`. `closed_loop` keeps N clients sending back to back (honouring `Retry-After`);
+`open_loop` sends Poisson arrivals whatever the answers. `summarize` gives the latency and
+throughput figures of a run.
+"""
 
 from __future__ import annotations
 
@@ -7,145 +14,252 @@ import math
 import random
 import statistics
 import time
-from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
-from typing import Any
+from collections.abc import Awaitable, Callable, Sequence
 
 import aiohttp
 
-
-@dataclass
-class Sample:
-    tenant: str
-    start: float
-    status: int
-    ttfb_s: float | None
-    latency_s: float
-    chunks: int
-    output_tokens: int
-    queue_ms: float | None
-
-    def as_dict(self) -> dict[str, Any]:
-        return asdict(self)
+from gateway_lab.bench.records import Meter, Record, Spec, percentile
 
 
-@dataclass
-class RequestSpec:
-    tenant: str
-    key: str
-    prompt: str
-    max_tokens: int
-    stream: bool = True
-    headers: dict[str, str] = field(default_factory=dict)
+class Load:
+    """Sends streamed chat requests through one gateway and records them."""
+
+    def __init__(
+        self,
+        url: str,
+        meter: Meter,
+        t0: float | None = None,
+        request_timeout_s: float | None = None,
+    ) -> None:
+        """`request_timeout_s`: the longest a request may take (None: no limit, for the
+        tenant scenarios whose requests may queue for minutes)."""
+        self.url = url
+        self.request_timeout_s = request_timeout_s
+        self.meter = meter
+        self.t0 = time.perf_counter() if t0 is None else t0
+        self.records: list[Record] = []
+        self.pending: dict[int, Record] = {}
+        self.sent: dict[str, int] = {}
+        self._ids = 0
+        self._session: aiohttp.ClientSession | None = None
+
+    def now(self) -> float:
+        return time.perf_counter() - self.t0
+
+    async def __aenter__(self) -> Load:
+        connector = aiohttp.TCPConnector(limit=0, force_close=False)
+        timeout = aiohttp.ClientTimeout(total=self.request_timeout_s, sock_connect=10.0)
+        self._session = aiohttp.ClientSession(connector=connector, timeout=timeout)
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        if self._session is not None:
+            await self._session.close()
+
+    def finish_pending(self, tenant: str | None = None) -> None:
+        """Record the requests (of `tenant`, or all) still running as the run stops: those
+        with a first token as incomplete, those without one as censored, with their elapsed
+        time as a lower bound of their TTFT."""
+        now = self.now()
+        for ident, record in list(self.pending.items()):
+            if tenant is not None and record.tenant != tenant:
+                continue
+            if record.ttft is None:
+                record.ttft = now - record.start
+                record.censored = True
+            record.end = now
+            self.records.append(record)
+            del self.pending[ident]
+
+    async def send(self, spec: Spec) -> Record:
+        assert self._session is not None, "use `async with Load(...)`"
+        meter = self.meter
+        headers = {
+            "authorization": f"Bearer {spec.key}",
+            "content-type": "application/json",
+            **spec.headers,
+        }
+        self._ids += 1
+        ident = self._ids
+        record = Record(
+            spec.tenant, self.now(), 0, None, 0.0, spec.prompt_tokens, 0, None, spec.max_tokens
+        )
+        self.pending[ident] = record
+        self.sent[spec.tenant] = self.sent.get(spec.tenant, 0) + 1
+        try:
+            async with self._session.post(self.url, data=spec.body(), headers=headers) as response:
+                record.status = response.status
+                queue = response.headers.get("x-gateway-queue-ms")
+                record.queue_ms = float(queue) if queue else None
+                retry = response.headers.get("retry-after")
+                record.retry_after = float(retry) if retry else None
+                carry = b""
+                async for chunk in response.content.iter_any():
+                    at = self.now()
+                    record.events += chunk.count(b"data: ")
+                    if record.ttft is None and response.status == 200 and b"data: " in chunk:
+                        record.ttft = at - record.start
+                        meter.first_token(spec.tenant, at, spec.prompt_tokens)
+                    if response.status != 200:
+                        continue
+                    events = (carry + chunk).split(b"\n\n")
+                    carry = events.pop()
+                    tokens = sum(1 for event in events if _is_token(event))
+                    if tokens:
+                        record.output_tokens += tokens
+                        meter.output(spec.tenant, at, tokens)
+                record.complete = True
+        except (aiohttp.ClientError, TimeoutError, OSError):
+            record.status = record.status or 0
+        finally:
+            recorded = self.pending.pop(ident, None) is None
+        if not recorded:  # not already recorded by finish_pending
+            record.end = self.now()
+            self.records.append(record)
+        return record
 
 
-def request_body(spec: RequestSpec) -> dict[str, Any]:
-    body: dict[str, Any] = {
-        "model": "bench",
-        "messages": [{"role": "user", "content": spec.prompt}],
-        "max_tokens": spec.max_tokens,
-        "ignore_eos": True,
-        "stream": spec.stream,
-    }
-    if spec.stream:
-        body["stream_options"] = {"include_usage": True}
-    return body
-
-
-async def send_one(session: aiohttp.ClientSession, url: str, spec: RequestSpec) -> Sample:
-    headers = {"authorization": f"Bearer {spec.key}", **spec.headers}
-    start = time.perf_counter()
-    ttfb: float | None = None
-    chunks = 0
-    output_tokens = 0
-    try:
-        async with session.post(url, json=request_body(spec), headers=headers) as response:
-            queue = response.headers.get("x-gateway-queue-ms")
-            async for chunk in response.content.iter_any():
-                if ttfb is None:
-                    ttfb = time.perf_counter() - start
-                chunks += chunk.count(b"data: ")
-            if response.status == 200:
-                output_tokens = spec.max_tokens
-            return Sample(
-                spec.tenant, start, response.status, ttfb, time.perf_counter() - start,
-                chunks, output_tokens, float(queue) if queue else None,
-            )  # fmt: skip
-    except (TimeoutError, aiohttp.ClientError):
-        return Sample(spec.tenant, start, 0, ttfb, time.perf_counter() - start, chunks, 0, None)
+def _is_token(event: bytes) -> bool:
+    """An SSE event that carries one output token (not the role, usage or [DONE] events)."""
+    if not event.startswith(b"data: ") or event.startswith(b"data: [DONE]"):
+        return False
+    if b'"choices":[]' in event:
+        return False
+    return not (b'"role"' in event and b'"content":""' in event)
 
 
 async def closed_loop(
-    url: str,
-    make: Callable[[int], RequestSpec],
+    load: Load,
+    make: Callable[[int], Spec],
     concurrency: int,
-    duration_s: float,
-    max_requests: int | None = None,
-) -> list[Sample]:
-    """`concurrency` workers send back to back until `duration_s` or `max_requests`."""
-    samples: list[Sample] = []
-    deadline = time.perf_counter() + duration_s
+    until: float,
+    *,
+    ramp_s: float = 0.0,
+    seed: int = 0,
+    stop: asyncio.Event | None = None,
+    finish: bool = False,
+) -> None:
+    """`concurrency` clients, each sending its next request when the last one ends, until
+    `until` (run time) or `stop` is set, then cut; with `finish`, no new request after `until`
+    but the ones in flight end (latency runs). A 429 is retried after its Retry-After,
+    with exponential backoff and jitter while 429s repeat (as OpenAI's SDKs do)."""
+    rng = random.Random(seed)
     counter = 0
-    connector = aiohttp.TCPConnector(limit=0, force_close=False)
-    timeout = aiohttp.ClientTimeout(total=max(60.0, duration_s * 3))
-    async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
+    tenants: set[str] = set()
 
-        async def worker() -> None:
-            nonlocal counter
-            while time.perf_counter() < deadline and (
-                max_requests is None or counter < max_requests
-            ):
-                counter += 1
-                samples.append(await send_one(session, url, make(counter)))
+    async def client(index: int) -> None:
+        nonlocal counter
+        await asyncio.sleep(ramp_s * index / max(1, concurrency))
+        rejected = 0
+        while load.now() < until:
+            counter += 1
+            spec = make(counter)
+            tenants.add(spec.tenant)
+            record = await load.send(spec)
+            if record.status == 429:
+                rejected += 1
+                base = max(record.retry_after or 1.0, min(8.0, 0.5 * 2 ** (rejected - 1)))
+                await asyncio.sleep(base * rng.uniform(0.5, 1.5))
+            elif record.status != 200:
+                rejected = 0
+                await asyncio.sleep(0.1)
+            else:
+                rejected = 0
 
-        await asyncio.gather(*(worker() for _ in range(concurrency)))
-    return samples
+    clients = [client(i) for i in range(concurrency)]
+    if finish:
+        await asyncio.gather(*clients)
+    else:
+        await _run_until(clients, load, until, stop, tenants)
 
 
 async def open_loop(
-    url: str,
-    make: Callable[[int], RequestSpec],
+    load: Load,
+    make: Callable[[int], Spec],
     rate_per_s: float,
-    duration_s: float,
-    rng: random.Random,
-    session: aiohttp.ClientSession,
-) -> list[Sample]:
-    """Poisson arrivals at `rate_per_s` for `duration_s`, whatever the responses do."""
-    tasks: list[asyncio.Task[Sample]] = []
-    start = time.perf_counter()
-    at = 0.0
+    until: float,
+    *,
+    seed: int = 0,
+    start: float = 0.0,
+    grace_s: float = 0.0,
+) -> None:
+    """Poisson arrivals at `rate_per_s` from `start` to `until` (run time), whatever the
+    answers. Then requests still before their first token get up to `grace_s` more; those
+    still without one are recorded as censored, and everything still running is cut."""
+    rng = random.Random(seed)
+    tasks: list[asyncio.Task[Record]] = []
+    tenants: set[str] = set()
+    at = start
     index = 0
-    while True:
-        at += rng.expovariate(rate_per_s)
-        if at > duration_s:
-            break
-        delay = start + at - time.perf_counter()
-        if delay > 0:
-            await asyncio.sleep(delay)
-        index += 1
-        tasks.append(asyncio.create_task(send_one(session, url, make(index))))
-    return list(await asyncio.gather(*tasks))
+    try:
+        while True:
+            at += rng.expovariate(rate_per_s)
+            if at >= until:
+                break
+            delay = at - load.now()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            index += 1
+            spec = make(index)
+            tenants.add(spec.tenant)
+            tasks.append(asyncio.create_task(load.send(spec)))
+        remaining = until - load.now()
+        if remaining > 0:
+            await asyncio.sleep(remaining)
+        for tenant in tenants:
+            await wait_first_tokens(load, tenant, grace_s)
+            load.finish_pending(tenant)
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
 
-def percentile(values: Sequence[float], q: float) -> float:
-    """Nearest-rank percentile (q in 0..100); NaN for no values."""
-    if not values:
-        return math.nan
-    ordered = sorted(values)
-    rank = max(1, math.ceil(q / 100.0 * len(ordered)))
-    return ordered[rank - 1]
+async def _run_until(
+    coroutines: Sequence[Awaitable[None]],
+    load: Load,
+    until: float,
+    stop: asyncio.Event | None,
+    tenants: set[str],
+) -> None:
+    tasks = [asyncio.ensure_future(c) for c in coroutines]
+    stopper = asyncio.ensure_future(stop.wait() if stop is not None else asyncio.Event().wait())
+    try:
+        remaining = until - load.now()
+        if remaining > 0:
+            await asyncio.wait(
+                [*tasks, stopper], timeout=remaining, return_when=asyncio.FIRST_COMPLETED
+            )
+        for tenant in tenants:
+            load.finish_pending(tenant)
+    finally:
+        stopper.cancel()
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
 
-def summarize(samples: Sequence[Sample], elapsed_s: float) -> dict[str, float]:
-    ok = [s for s in samples if s.status == 200]
-    ttfb = [s.ttfb_s for s in ok if s.ttfb_s is not None]
+async def wait_first_tokens(load: Load, tenant: str, grace_s: float) -> None:
+    """Give a tenant's requests still before their first token up to `grace_s` to get it."""
+    deadline = load.now() + grace_s
+    while load.now() < deadline:
+        if not any(r.tenant == tenant and r.ttft is None for r in load.pending.values()):
+            return
+        await asyncio.sleep(0.05)
+
+
+def summarize(records: Sequence[Record], elapsed_s: float) -> dict[str, float]:
+    """Requests, answered ones, their rate, first-chunk P50/P99, mean latency, SSE events and
+    output tokens/s (an answered request delivers its `max_tokens`: the load sets `ignore_eos`)."""
+    ok = [r for r in records if r.status == 200]
+    ttft = [r.ttft for r in ok if r.ttft is not None]
     return {
-        "requests": float(len(samples)),
+        "requests": float(len(records)),
         "ok": float(len(ok)),
         "rps": len(ok) / elapsed_s if elapsed_s > 0 else math.nan,
-        "ttfb_p50_ms": percentile(ttfb, 50) * 1000,
-        "ttfb_p99_ms": percentile(ttfb, 99) * 1000,
-        "latency_mean_ms": statistics.fmean(s.latency_s for s in ok) * 1000 if ok else math.nan,
-        "chunks": float(sum(s.chunks for s in ok)),
-        "output_tokens_per_s": sum(s.output_tokens for s in ok) / elapsed_s if elapsed_s else 0.0,
+        "ttfb_p50_ms": percentile(ttft, 50) * 1000,
+        "ttfb_p99_ms": percentile(ttft, 99) * 1000,
+        "latency_mean_ms": statistics.fmean(r.end - r.start for r in ok) * 1000 if ok else math.nan,
+        "chunks": float(sum(r.events for r in ok)),
+        "output_tokens_per_s": sum(r.max_tokens for r in ok) / elapsed_s if elapsed_s else 0.0,
     }

@@ -37,40 +37,18 @@ from typing import Any
 
 from extproc.policy import hash_key
 from extproc.scheduler.adaptive import AdaptiveSettings
-from gateway_lab.bench.common import (
-    RECORD_COLUMNS,
-    CapacityConfig,
-    EngineSet,
-    Load,
-    Meter,
-    Monitor,
-    Spec,
-    add_scenario_arguments,
-    chosen_timing,
-    closed_loop,
-    engine_set,
-    fmt,
-    gateway_stack,
-    log,
-    open_loop,
-    progress,
-    prompt_text,
-    pyplot,
-    run_async,
-    save_figure,
-    save_results,
-    status_counts,
-    ttft_stats,
-    wait_engines_idle,
-    within,
-)
+from gateway_lab.bench import scenario
+from gateway_lab.bench.capacity import CapacityConfig
+from gateway_lab.bench.loadgen import Load
+from gateway_lab.bench.monitor import Monitor, log
+from gateway_lab.bench.noisy_plot import TARGET_RATIO, TARGET_THROUGHPUT, plot
+from gateway_lab.bench.records import RECORD_COLUMNS, Meter, Spec, prompt_text
+from gateway_lab.bench.stack import PROFILE, EngineSet, Gateway
+from gateway_lab.bench.stats import fmt, status_counts, ttft_stats, within
 
 NAME = "noisy-neighbour"
 DEFAULT_OUT = Path("results/noisy-neighbour")
-POOL = "main"
 KEYS = {"quiet": "bench-quiet-key", "flooder": "bench-flooder-key"}
-TARGET_RATIO = 1.10
-TARGET_THROUGHPUT = 0.95
 
 
 @dataclass(frozen=True)
@@ -143,7 +121,7 @@ tenants:
     api_keys: ["{hash_key(KEYS["flooder"])}"]
     limits: {{{flooder_limits}}}
 pools:
-  {POOL}: {{max_total_tokens: 131072, max_inflight: {arm.max_inflight},
+  {scenario.POOL}: {{max_total_tokens: 131072, max_inflight: {arm.max_inflight},
           max_inflight_tokens: 1000000000, endpoints: ["{endpoint}"]}}
 fairness: {{policy: drr, input_weight: 1, output_weight: 2, quantum: 64}}
 estimation: {{mode: flat, default_bytes_per_token: 4.0}}
@@ -152,36 +130,19 @@ gateway: {{default_max_tokens: 256, message_timeout: 10s}}
 
 
 def quiet_maker(work: Workload, seed: int) -> Callable[[int], Spec]:
-    rng = random.Random(seed)
-    prompts = [prompt_text(work.quiet_prompt, rng) for _ in range(16)]
-
-    def make(index: int) -> Spec:
-        return Spec(
-            "quiet", KEYS["quiet"], prompts[index % 16], work.quiet_prompt, work.quiet_output
-        )
-
-    return make
+    return scenario.fixed_maker("quiet", KEYS["quiet"], work.quiet_prompt, work.quiet_output, seed)
 
 
 def flooder_maker(work: Workload, seed: int) -> Callable[[int], Spec]:
-    rng = random.Random(seed)
-    low = 1.0 - work.spread
-    high = 1.0 + work.spread
-    longest = math.ceil(work.flood_prompt * high)
-    words = prompt_text(longest, rng)
-
-    def make(_index: int) -> Spec:
-        prompt = max(8, round(work.flood_prompt * rng.uniform(low, high)))
-        output = max(1, round(work.flood_output * rng.uniform(low, high)))
-        text = words[: 4 * (prompt - 4)]
-        return Spec("flooder", KEYS["flooder"], text, prompt, output)
-
-    return make
+    return scenario.spread_maker(
+        "flooder", KEYS["flooder"], work.flood_prompt, work.flood_output, work.spread, seed,
+        vary_output=True,
+    )  # fmt: skip
 
 
 def adaptive_capacity(headroom: int) -> CapacityConfig:
     settings = AdaptiveSettings(min_inflight=4, initial_inflight=16, headroom=headroom)
-    return CapacityConfig(adaptive={POOL: settings})
+    return CapacityConfig(adaptive={scenario.POOL: settings})
 
 
 def plan_arms(timing: Timing, sweep: list[int], headroom: int) -> list[Arm]:
@@ -202,7 +163,7 @@ def plan_arms(timing: Timing, sweep: list[int], headroom: int) -> list[Arm]:
                 timing.warmup_soft_s,
                 "soft",
                 soft + headroom,
-                CapacityConfig(headroom={POOL: headroom}),
+                CapacityConfig(headroom={scenario.POOL: headroom}),
                 soft_limit=soft,
             )
         )
@@ -227,17 +188,11 @@ async def drain_bucket(load: Load, make: Callable[[int], Spec], limit: int) -> i
     return sent
 
 
-async def drive(
-    arm: Arm,
-    url: str,
-    engines: EngineSet,
-    admin_url: str | None,
-    work: Workload,
-    timing: Timing,
-    seed: int,
+async def drive_arm(
+    arm: Arm, gateway: Gateway, engines: EngineSet, work: Workload, timing: Timing, seed: int
 ) -> dict[str, Any]:
     meter = Meter(bin_s=0.5)
-    async with Load(url, meter) as load:
+    async with Load(gateway.url, meter) as load:
         if arm.flooder_rpm is not None:
             tiny = Spec("drain", KEYS["flooder"], prompt_text(8, random.Random(seed)), 8, 1)
             drained = await drain_bucket(load, lambda _i: tiny, arm.flooder_rpm)
@@ -248,43 +203,14 @@ async def drive(
         meter.tokens.clear()
         meter.service.clear()
         end = arm.warmup_s + timing.measure_s
-        quiet_done = asyncio.Event()
-
-        async def quiet() -> None:
-            try:
-                await open_loop(
-                    load,
-                    quiet_maker(work, seed),
-                    work.quiet_rate,
-                    end,
-                    seed=seed + 1,
-                    grace_s=timing.grace_s,
-                )
-            finally:
-                quiet_done.set()
-
-        jobs = [quiet()]
-        if arm.flooder:
-            jobs.append(
-                closed_loop(
-                    load,
-                    flooder_maker(work, seed + 2),
-                    work.flood_concurrency,
-                    end + timing.grace_s,
-                    ramp_s=timing.ramp_s,
-                    seed=seed + 3,
-                    stop=quiet_done,
-                )
-            )
-        monitor = Monitor(load, engines.all(), admin_url)
-        watch = asyncio.ensure_future(monitor.run(end + timing.grace_s))
-        ticker = asyncio.ensure_future(progress(NAME, arm.name, load, end))
-        try:
-            await asyncio.gather(*jobs)
-        finally:
-            for task in (watch, ticker):
-                task.cancel()
-            await asyncio.gather(watch, ticker, return_exceptions=True)
+        quiet = scenario.Foreground(quiet_maker(work, seed), work.quiet_rate, seed + 1)
+        flooder = scenario.Background(
+            flooder_maker(work, seed + 2), work.flood_concurrency, seed + 3
+        )
+        monitor = await scenario.contend(
+            NAME, arm.name, load, engines, gateway, quiet, [flooder] if arm.flooder else [], end,
+            grace_s=timing.grace_s, ramp_s=timing.ramp_s,
+        )  # fmt: skip
         return summarize_arm(arm, load, meter, monitor, end)
 
 
@@ -298,7 +224,11 @@ def summarize_arm(
     flooder_tps = meter.rate("flooder", start, end)
     window = [s for s in monitor.samples if start <= s["t"] < end]
     waiting = [s["waiting"] for s in window]
-    limits = [s["limit"][POOL] for s in window if s.get("limit", {}).get(POOL) is not None]
+    limits = [
+        s["limit"][scenario.POOL]
+        for s in window
+        if s.get("limit", {}).get(scenario.POOL) is not None
+    ]
     return {
         "arm": arm.name,
         "kind": arm.kind,
@@ -328,15 +258,13 @@ def run_arm(
     timing: Timing,
     seed: int,
 ) -> dict[str, Any]:
-    run_async(wait_engines_idle(engines.all()))
-    endpoint = engines.endpoints[POOL][0]
-    log(NAME, f"arm {arm.name}: starting Envoy{' + service' if arm.path == 'service' else ''}")
-    with gateway_stack(
-        workdir / arm.name, engines, policy_text(endpoint, arm), arm.path, arm.capacity
+    endpoint = engines.endpoints[scenario.POOL][0]
+    with scenario.arm_gateway(
+        NAME, arm.name, workdir, engines, policy_text(endpoint, arm), arm.path, arm.capacity
     ) as gateway:
         started = time.perf_counter()
-        result: dict[str, Any] = run_async(
-            drive(arm, gateway.url, engines, gateway.admin_url, work, timing, seed)
+        result: dict[str, Any] = scenario.run_async(
+            drive_arm(arm, gateway, engines, work, timing, seed)
         )
         result["wall_s"] = time.perf_counter() - started
     quiet = result["quiet"]
@@ -434,133 +362,47 @@ def print_table(summary: dict[str, Any], arms: list[Arm]) -> None:
             print(f"{label}: none")
 
 
-_COLORS = {"alone": "#7f7f7f", "fifo": "#d62728", "bucket": "#ff7f0e", "full": "#2ca02c"}
-
-
-def plot(results: dict[str, dict[str, Any]], summary: dict[str, Any], path: Path) -> None:
-    plt = pyplot()
-    rows = summary["rows"]
-    names = list(results)
-    colors = [_COLORS.get(results[n]["kind"], "#1f77b4") for n in names]
-    fig, axes = plt.subplots(2, 2, figsize=(13, 8.5))
-    ax = axes[0][0]
-    xs = range(len(names))
-    ax.bar([x - 0.2 for x in xs], [rows[n]["quiet_p50_ms"] for n in names], 0.4, label="P50",
-           color=colors, alpha=0.55)  # fmt: skip
-    ax.bar([x + 0.2 for x in xs], [rows[n]["quiet_p99_ms"] for n in names], 0.4, label="P99",
-           color=colors)  # fmt: skip
-    ax.set_yscale("log")
-    ax.set_title("quiet tenant: time to first token (ms; light P50, dark P99)")
-    ax.set_xticks(list(xs), names, rotation=30, ha="right")
-    ax = axes[0][1]
-    flood = [rows[n]["flooder_tok_s"] for n in names]
-    quiet = [rows[n]["quiet_tok_s"] for n in names]
-    ax.bar(list(xs), flood, color=colors, label="flooder")
-    ax.bar(list(xs), quiet, bottom=flood, color="black", label="quiet")
-    fifo = summary["fifo_total_tok_s"]
-    if not math.isnan(fifo):
-        ax.axhline(fifo * TARGET_THROUGHPUT, ls="--", color="black", lw=0.8)
-        ax.text(0, fifo * TARGET_THROUGHPUT, " 95% of FIFO", va="bottom", fontsize=8)
-    ax.set_title("output tokens/s (flooder + quiet)")
-    ax.set_xticks(list(xs), names, rotation=30, ha="right")
-    ax.legend(fontsize=8)
-    ax = axes[1][0]
-    for name in names:
-        row = rows[name]
-        if results[name]["kind"] == "alone" or math.isnan(row["throughput_vs_fifo"]):
-            continue
-        color = _COLORS.get(results[name]["kind"], "#1f77b4")
-        ax.scatter(row["throughput_vs_fifo"] * 100, row["p99_ratio"], color=color, s=40)
-        ax.annotate(name, (row["throughput_vs_fifo"] * 100, row["p99_ratio"]),
-                    fontsize=8, xytext=(4, 4), textcoords="offset points")  # fmt: skip
-    soft = sorted(
-        (rows[n]["throughput_vs_fifo"] * 100, rows[n]["p99_ratio"])
-        for n in names
-        if results[n]["kind"] in ("soft", "full")
-    )
-    if soft:
-        ax.plot([s[0] for s in soft], [s[1] for s in soft], color="#1f77b4", lw=0.8)
-    ax.axhline(TARGET_RATIO, ls="--", color="green", lw=0.8)
-    ax.axvline(TARGET_THROUGHPUT * 100, ls="--", color="green", lw=0.8)
-    ax.set_yscale("log")
-    ax.set_xlabel("total output tokens/s, % of FIFO")
-    ax.set_ylabel("quiet P99 TTFT / alone")
-    ax.set_title("trade-off: the goal is right of 95% and below 1.10x (dashed)")
-    ax = axes[1][1]
-    for name, style in (("full", "-"), ("fifo", ":")):
-        result = results.get(name)
-        if result is None:
-            continue
-        series = result["timeseries"]
-        ts = [s["t"] for s in series]
-        ax.plot(ts, [s["running"] for s in series], style, color="#1f77b4",
-                label=f"{name}: engine running")  # fmt: skip
-        ax.plot(ts, [s["waiting"] for s in series], style, color="#d62728",
-                label=f"{name}: engine waiting")  # fmt: skip
-        if name == "full":
-            ax.plot(ts, [(s.get("limit") or {}).get(POOL) for s in series], style,
-                    color="#2ca02c", label="full: gateway soft limit")  # fmt: skip
-    ax.set_xlabel("seconds")
-    ax.set_title("engine batch and queue over time (full policy vs FIFO)")
-    ax.legend(fontsize=8)
-    save_figure(fig, path)
-
-
 def run(
     out: Path,
     workdir: Path,
+    work: Workload,
+    timing: Timing,
+    sweep: list[int],
     *,
-    quick: bool = False,
-    work: Workload | None = None,
-    timing: Timing | None = None,
-    sweep: list[int] | None = None,
     headroom: int = 8,
     bucket_fraction: float = 0.5,
     seed: int = 7,
-    profile: str = "a100-llama3-8b",
+    profile: str = PROFILE,
 ) -> dict[str, Any]:
-    work = work or (Workload(flood_concurrency=40) if quick else Workload())
-    timing = timing or (Timing.quick() if quick else Timing())
-    sweep = sweep if sweep is not None else ([8] if quick else [4, 24, 128])
     arms = plan_arms(timing, sweep, headroom)
-    results: dict[str, dict[str, Any]] = {}
-    began = time.perf_counter()
-    log(NAME, f"{len(arms)} arms, {timing.measure_s:.0f}s measured each; profile {profile}")
-    with engine_set(workdir / "engines", {POOL: 1}, profile) as engines:
-        for arm in arms:
-            if arm.kind == "bucket":
-                fifo = results.get("fifo")
-                rate = fifo["flooder_tok_s"] / work.flood_output if fifo else 1.0
-                rpm = max(1, round(bucket_fraction * rate * 60.0))
-                arm = replace(arm, flooder_rpm=rpm)
-                log(NAME, f"token bucket: flooder {rpm} requests/min "
-                          f"({bucket_fraction:.0%} of its FIFO rate)")  # fmt: skip
-            results[arm.name] = run_arm(arm, engines, workdir, work, timing, seed)
-    summary = compare(results)
-    report = {
-        "scenario": NAME,
-        "profile": profile,
-        "workload": work.__dict__,
-        "timing": timing.__dict__,
-        "headroom": headroom,
-        "bucket_fraction": bucket_fraction,
-        "sweep": sweep,
-        "wall_s": time.perf_counter() - began,
-        "summary": summary,
-        "arms": results,
-    }
-    save_results(
-        out,
-        report,
-        "noisy-neighbour.png",
-        lambda path: plot(results, summary, path),
-        lambda: print_table(summary, arms),
-    )
-    return report
+
+    def run_one(arm: Arm, engines: EngineSet, results: scenario.Results) -> dict[str, Any]:
+        if arm.kind == "bucket":
+            fifo = results.get("fifo")
+            rate = fifo["flooder_tok_s"] / work.flood_output if fifo else 1.0
+            rpm = max(1, round(bucket_fraction * rate * 60.0))
+            arm = replace(arm, flooder_rpm=rpm)
+            log(NAME, f"token bucket: flooder {rpm} requests/min "
+                      f"({bucket_fraction:.0%} of its FIFO rate)")  # fmt: skip
+        return run_arm(arm, engines, workdir, work, timing, seed)
+
+    def conclude(results: scenario.Results) -> scenario.Conclusion:
+        summary = compare(results)
+        return scenario.Conclusion(
+            summary,
+            lambda path: plot(results, summary, path),
+            lambda: print_table(summary, arms),
+        )
+
+    settings = {"headroom": headroom, "bucket_fraction": bucket_fraction, "sweep": sweep}
+    return scenario.run_scenario(
+        NAME, out, workdir, profile=profile, work=work, timing=timing, settings=settings,
+        arms=arms, run_arm=run_one, conclude=conclude, figure="noisy-neighbour.png",
+    )  # fmt: skip
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    add_scenario_arguments(parser, DEFAULT_OUT, "measured seconds per arm")
+    scenario.add_scenario_arguments(parser, DEFAULT_OUT, "measured seconds per arm")
     parser.add_argument(
         "--sweep", default=None, help="fixed soft limits to compare, comma separated (4,24,128)"
     )
@@ -582,23 +424,17 @@ def main(args: argparse.Namespace) -> int:
         "flood_output": args.flood_output,
     }
     work = replace(work, **{k: v for k, v in changes.items() if v is not None})
-    timing = chosen_timing(args, Timing(), Timing.quick())
-    sweep = [int(x) for x in args.sweep.split(",") if x.strip()] if args.sweep else None
+    timing = scenario.chosen_timing(args, Timing(), Timing.quick())
+    if args.sweep:
+        sweep = [int(x) for x in args.sweep.split(",") if x.strip()]
+    else:
+        sweep = [8] if args.quick else [4, 24, 128]
     run(
-        args.out,
-        args.workdir or args.out / "stacks",
-        quick=args.quick,
-        work=work,
-        timing=timing,
-        sweep=sweep,
-        headroom=args.headroom,
-        bucket_fraction=args.bucket_fraction,
-        seed=args.seed,
-    )
+        args.out, scenario.workdir_of(args), work, timing, sweep,
+        headroom=args.headroom, bucket_fraction=args.bucket_fraction, seed=args.seed,
+    )  # fmt: skip
     return 0
 
 
 if __name__ == "__main__":
-    _parser = argparse.ArgumentParser(prog="python -m gateway_lab.bench.noisy", description=__doc__)
-    add_arguments(_parser)
-    raise SystemExit(main(_parser.parse_args()))
+    raise SystemExit(scenario.script_main("gateway_lab.bench.noisy", __doc__, add_arguments, main))

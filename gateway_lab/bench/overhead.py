@@ -19,8 +19,11 @@ from pathlib import Path
 from typing import Any
 
 from extproc.policy import hash_key
-from gateway_lab.bench.loadgen import RequestSpec, closed_loop, percentile, summarize
-from gateway_lab.bench.stack import ARMS, BenchStack, bench_stack, cpu_seconds
+from gateway_lab.bench.figures import pyplot, save_figure
+from gateway_lab.bench.loadgen import Load, closed_loop, summarize
+from gateway_lab.bench.records import Meter, Record, Spec, percentile
+from gateway_lab.bench.stack import ARMS, Gateway, bench_stack, cpu_seconds
+from gateway_lab.engine.tokens import chat_prompt_tokens
 
 DEFAULT_OUT = Path("results/overhead")
 BENCH_KEY = "bench-key"
@@ -44,29 +47,39 @@ pools:
 """
 
 
-def workload(output_tokens: int) -> Callable[[int], RequestSpec]:
+def workload(output_tokens: int) -> Callable[[int], Spec]:
     prompt = "Summarise the benefits of fair scheduling for shared inference fleets. " * 3
+    tokens = chat_prompt_tokens([{"role": "user", "content": prompt}])
+    spec = Spec("bench", BENCH_KEY, prompt, tokens, output_tokens)
 
-    def make(_: int) -> RequestSpec:
-        return RequestSpec("bench", BENCH_KEY, prompt, output_tokens)
+    def make(_: int) -> Spec:
+        return spec
 
     return make
 
 
+async def closed_run(
+    url: str, make: Callable[[int], Spec], concurrency: int, duration_s: float
+) -> list[Record]:
+    """`concurrency` clients back to back for `duration_s`; the requests in flight then end."""
+    async with Load(url, Meter(bin_s=1.0), request_timeout_s=max(60.0, duration_s * 3)) as load:
+        await closed_loop(load, make, concurrency, duration_s, finish=True)
+    return load.records
+
+
 def measure(
-    stack: BenchStack, output_tokens: int, concurrency: int, duration_s: float
+    stack: Gateway, output_tokens: int, concurrency: int, duration_s: float
 ) -> dict[str, Any]:
-    url = stack.base_url + "/v1/chat/completions"
     pid = stack.pid_of("extproc")
     cpu_before = cpu_seconds(pid) if pid else 0.0
     started = time.perf_counter()
-    samples = asyncio.run(closed_loop(url, workload(output_tokens), concurrency, duration_s))
+    records = asyncio.run(closed_run(stack.url, workload(output_tokens), concurrency, duration_s))
     elapsed = time.perf_counter() - started
     cpu = (cpu_seconds(pid) - cpu_before) if pid else 0.0
-    summary: dict[str, Any] = dict(summarize(samples, elapsed))
+    summary: dict[str, Any] = dict(summarize(records, elapsed))
     ok = summary["ok"] or 1.0
     summary.update(
-        ttfb_ms=[s.ttfb_s * 1000 for s in samples if s.status == 200 and s.ttfb_s is not None],
+        ttfb_ms=[r.ttft * 1000 for r in records if r.status == 200 and r.ttft is not None],
         arm=stack.arm,
         output_tokens=output_tokens,
         concurrency=concurrency,
@@ -112,7 +125,7 @@ def merge_rounds(rounds: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def interleaved(
-    stacks: dict[str, BenchStack], loads: list[tuple[int, int, float]], rounds: int, label: str
+    stacks: dict[str, Gateway], loads: list[tuple[int, int, float]], rounds: int, label: str
 ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """Every load (output tokens, clients, seconds) on every arm, arm after arm, `rounds`
     times over: slow drifts and other processes' bursts then hit every arm alike. Returns
@@ -139,11 +152,9 @@ def interleaved(
     return merged, raw
 
 
-def stacks_of(
-    exit_stack: contextlib.ExitStack, workdir: Path, profile: str
-) -> dict[str, BenchStack]:
+def stacks_of(exit_stack: contextlib.ExitStack, workdir: Path, profile: str) -> dict[str, Gateway]:
     """The three arms' stacks, all up at once (idle while another arm is measured)."""
-    stacks: dict[str, BenchStack] = {}
+    stacks: dict[str, Gateway] = {}
     for arm in ARMS:
         print(f"[overhead] starting the {arm} stack ({profile})", file=sys.stderr, flush=True)
         stack = exit_stack.enter_context(
@@ -284,11 +295,7 @@ def print_table(runs: list[dict[str, Any]], summary: dict[str, Any]) -> None:
 
 
 def plot(runs: list[dict[str, Any]], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     fig, axes = plt.subplots(1, 3, figsize=(14, 4))
     labels = [f"{r['output_tokens']}t c{r['concurrency']}" for r in runs if r["arm"] == "straight"]
     width = 0.27
@@ -304,9 +311,7 @@ def plot(runs: list[dict[str, Any]], path: Path) -> None:
         ax.set_title(title)
         ax.set_xticks(range(len(labels)), labels, rotation=20)
         ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path, dpi=110)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

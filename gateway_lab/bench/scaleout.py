@@ -36,7 +36,8 @@ from typing import Any
 import orjson
 
 from extproc.policy import hash_key
-from gateway_lab.bench.loadgen import percentile
+from gateway_lab.bench.figures import pyplot, save_figure
+from gateway_lab.bench.records import percentile
 from gateway_lab.bench.stack import cpu_seconds, free_port
 from gateway_lab.processes import Child, Stack, http_ok, wait_until
 
@@ -399,11 +400,7 @@ def table(results: list[dict[str, Any]]) -> str:
 
 
 def plot(results: list[dict[str, Any]], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     figure, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
     for store, color in (("memory", "tab:blue"), ("redis", "tab:red")):
         rows = [r for r in results if r["store"] == store and "skipped" not in r]
@@ -426,9 +423,7 @@ def plot(results: list[dict[str, Any]], path: Path) -> None:
         axis.legend()
     cores = os.cpu_count()
     figure.suptitle(f"extproc scale-out, {cores} cores shared by service, load and Redis")
-    figure.tight_layout()
-    figure.savefig(path, dpi=120)
-    plt.close(figure)
+    save_figure(figure, path, dpi=120)
 
 
 def main(args: argparse.Namespace) -> int:

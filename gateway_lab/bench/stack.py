@@ -1,5 +1,6 @@
-"""Benchmark stacks on loopback: emulated engines, an ext_proc server (ours, the do-nothing floor,
-or none) and the real Envoy, started as separate processes so each one's CPU can be read."""
+"""Benchmark stacks on loopback, started as separate processes so each one's CPU can be read:
+emulated engines (`engine_set`), and in front of them the real Envoy with an ext_proc server
+(ours, the do-nothing floor, or none: `gateway_stack`). `bench_stack` is both at once."""
 
 from __future__ import annotations
 
@@ -7,16 +8,20 @@ import contextlib
 import functools
 import socket
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from extproc.envoy_config import RenderOptions, render_bootstrap, split_host_port
-from extproc.policy import Policy, load_policy
-from gateway_lab.processes import Child, Stack, envoy_binary, http_ok, wait_until
+from extproc.envoy_config import RenderOptions, split_host_port
+from extproc.policy import policy_from_text
+from gateway_lab.children import engine_child, envoy_child, extproc_child
+from gateway_lab.processes import Child, Stack, http_ok, wait_until
 
 ARMS = ("straight", "noop", "extproc")
+PROFILE = "a100-llama3-8b"
 _READY_S = 60.0
+
+Check = tuple[Callable[[], bool], str]
 
 
 def free_port() -> int:
@@ -34,13 +39,71 @@ def tcp_open(address: str) -> bool:
         return False
 
 
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process, from /proc (clock ticks of 10 ms)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / 100.0
+
+
+@contextlib.contextmanager
+def running(stack: Stack, checks: Sequence[Check]) -> Iterator[Stack]:
+    """Start every child, wait for every check; stop them all on exit (or a failed start)."""
+    try:
+        for child in stack.children:
+            child.start()
+        for check, what in checks:
+            wait_until(check, stack, what, _READY_S)
+        yield stack
+    finally:
+        stack.stop()
+
+
 @dataclass
-class BenchStack:
+class EngineSet:
+    """Emulated engines, one per endpoint, by pool."""
+
+    endpoints: dict[str, list[str]]
+
+    def all(self) -> list[str]:
+        return [e for endpoints in self.endpoints.values() for e in endpoints]
+
+
+@contextlib.contextmanager
+def engine_set(
+    workdir: Path,
+    pools: Mapping[str, int],
+    profile: str = PROFILE,
+    engine_args: Sequence[str] = (),
+) -> Iterator[EngineSet]:
+    """Start `pools[name]` engines for each pool on fresh loopback ports; stop them on exit."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    endpoints = {
+        name: [f"127.0.0.1:{free_port()}" for _ in range(count)] for name, count in pools.items()
+    }
+    stack = Stack()
+    checks: list[Check] = []
+    for pool, addresses in endpoints.items():
+        for index, endpoint in enumerate(addresses):
+            stack.children.append(
+                engine_child(workdir, pool, index, endpoint, profile, engine_args)
+            )
+            checks.append((functools.partial(http_ok, f"http://{endpoint}/health"), endpoint))
+    with running(stack, checks):
+        yield EngineSet(endpoints)
+
+
+@dataclass
+class Gateway:
+    """One arm's Envoy (and ext_proc server): where to send requests."""
+
     arm: str
     base_url: str
     admin_url: str | None
-    policy: Policy
     stack: Stack
+
+    @property
+    def url(self) -> str:
+        return self.base_url + "/v1/chat/completions"
 
     def pid_of(self, name: str) -> int | None:
         for child in self.stack.children:
@@ -49,63 +112,39 @@ class BenchStack:
         return None
 
 
-def cpu_seconds(pid: int) -> float:
-    """User + system CPU time of a process, from /proc (clock ticks of 10 ms)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / 100.0
-
-
-@dataclass
-class FrontChildren:
-    """What sits in front of the engines for one arm: the ext_proc server (if any) and Envoy,
-    not started yet, with the checks that tell they are ready."""
-
-    children: list[Child]
-    checks: list[tuple[Callable[[], bool], str]]
-    base_url: str
-    admin_url: str | None
-
-
-def front_children(
-    workdir: Path,
-    policy_path: Path,
-    policy: Policy,
-    arm: str,
-    extproc_args: tuple[str, ...] = (),
-) -> FrontChildren:
+@contextlib.contextmanager
+def gateway_stack(
+    workdir: Path, policy_text: str, arm: str, extproc_args: Sequence[str] = ()
+) -> Iterator[Gateway]:
     """Envoy on fresh loopback ports, straight to the policy's endpoints (`straight`) or
     through `extproc serve` (`extproc`) or the do-nothing floor (`noop`)."""
     if arm not in ARMS:
         raise ValueError(f"arm must be one of {ARMS}")
+    workdir.mkdir(parents=True, exist_ok=True)
+    policy_path = workdir / "policy.yaml"
+    policy_path.write_text(policy_text)
+    policy = policy_from_text(policy_text, str(policy_path))
     listen, grpc_address = f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"
     admin, envoy_admin = f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"
-    python = sys.executable
-    children: list[Child] = []
-    checks: list[tuple[Callable[[], bool], str]] = []
+    stack = Stack()
+    checks: list[Check] = []
     if arm == "extproc":
-        children.append(
-            Child(
-                name="extproc",
-                command=[
-                    python, "-m", "extproc", "--log-level", "WARNING", "serve",
-                    "--policy", str(policy_path), "--grpc", grpc_address, "--admin", admin,
-                    *extproc_args,
-                ],
-                log_path=workdir / "extproc.log",
+        stack.children.append(
+            extproc_child(
+                workdir, str(policy_path), grpc_address, admin, extproc_args, log_level="WARNING"
             )
-        )  # fmt: skip
+        )
         checks.append((functools.partial(http_ok, f"http://{admin}/readyz"), "extproc"))
     elif arm == "noop":
-        children.append(
+        stack.children.append(
             Child(
                 name="extproc",
-                command=[python, "-m", "gateway_lab.bench.noop", "--grpc", grpc_address],
+                command=[sys.executable, "-m", "gateway_lab.bench.noop", "--grpc", grpc_address],
                 log_path=workdir / "noop.log",
             )
         )
     if arm != "straight":
         checks.append((functools.partial(tcp_open, grpc_address), "ext_proc gRPC"))
-    envoy_config = workdir / "envoy.json"
     options = RenderOptions(
         listen=listen,
         extproc=grpc_address,
@@ -113,52 +152,15 @@ def front_children(
         extproc_filters=arm != "straight",
         access_log=False,
     )
-    envoy_config.write_text(render_bootstrap(policy, options))
-    children.append(
-        Child(
-            name="envoy",
-            command=[
-                envoy_binary(), "-c", str(envoy_config), "--log-level", "error",
-                "--use-dynamic-base-id", "--concurrency", "1",
-            ],
-            log_path=workdir / "envoy.log",
-        )
-    )  # fmt: skip
+    stack.children.append(envoy_child(workdir, policy, options, log_level="error"))
     checks.append((functools.partial(http_ok, f"http://{envoy_admin}/ready"), "envoy"))
-    return FrontChildren(
-        children, checks, f"http://{listen}", f"http://{admin}" if arm == "extproc" else None
-    )
-
-
-def engine_children(
-    workdir: Path, endpoints: dict[str, list[str]], profile: str, engine_args: tuple[str, ...]
-) -> tuple[list[Child], list[tuple[Callable[[], bool], str]]]:
-    """One emulated engine per endpoint, by pool, not started yet."""
-    children: list[Child] = []
-    checks: list[tuple[Callable[[], bool], str]] = []
-    for pool, addresses in endpoints.items():
-        for index, endpoint in enumerate(addresses):
-            host, port = split_host_port(endpoint)
-            children.append(
-                Child(
-                    name=f"engine {pool}#{index}",
-                    command=[
-                        sys.executable, "-m", "extproc", "engine", "--host", host,
-                        "--port", str(port), "--profile", profile,
-                        "--engine-id", f"{pool}-{index}", "--accept-any-model", *engine_args,
-                    ],
-                    log_path=workdir / f"engine-{pool}-{index}.log",
-                )
-            )  # fmt: skip
-            checks.append((functools.partial(http_ok, f"http://{endpoint}/health"), endpoint))
-    return children, checks
-
-
-def start_all(stack: Stack, checks: list[tuple[Callable[[], bool], str]]) -> None:
-    for child in stack.children:
-        child.start()
-    for check, what in checks:
-        wait_until(check, stack, what, _READY_S)
+    with running(stack, checks):
+        yield Gateway(
+            arm=arm,
+            base_url=f"http://{listen}",
+            admin_url=f"http://{admin}" if arm == "extproc" else None,
+            stack=stack,
+        )
 
 
 @contextlib.contextmanager
@@ -166,30 +168,15 @@ def bench_stack(
     workdir: Path,
     make_policy: Callable[[str, str], str],
     arm: str = "extproc",
-    profile: str = "a100-llama3-8b",
+    profile: str = PROFILE,
     engine_args: tuple[str, ...] = (),
     extproc_args: tuple[str, ...] = (),
-) -> Iterator[BenchStack]:
-    """`make_policy(short_endpoint, long_endpoint)` gives the policy text; `arm` picks what
-    sits between Envoy and the engines."""
-    workdir.mkdir(parents=True, exist_ok=True)
-    short, long_ = f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"
-    policy_path = workdir / "policy.yaml"
-    policy_path.write_text(make_policy(short, long_))
-    policy = load_policy(policy_path)
-    endpoints = {name: list(spec.endpoints) for name, spec in policy.pools.items()}
-    engines, checks = engine_children(workdir, endpoints, profile, engine_args)
-    front = front_children(workdir, policy_path, policy, arm, extproc_args)
-    stack = Stack()
-    stack.children.extend([*engines, *front.children])
-    try:
-        start_all(stack, [*checks, *front.checks])
-        yield BenchStack(
-            arm=arm,
-            base_url=front.base_url,
-            admin_url=front.admin_url,
-            policy=policy,
-            stack=stack,
-        )
-    finally:
-        stack.stop()
+) -> Iterator[Gateway]:
+    """A `short` and a `long` engine and one arm in front of them:
+    `make_policy(short_endpoint, long_endpoint)` gives the policy text."""
+    if arm not in ARMS:
+        raise ValueError(f"arm must be one of {ARMS}")
+    with engine_set(workdir, {"short": 1, "long": 1}, profile, engine_args) as engines:
+        text = make_policy(engines.endpoints["short"][0], engines.endpoints["long"][0])
+        with gateway_stack(workdir, text, arm, extproc_args) as gateway:
+            yield gateway

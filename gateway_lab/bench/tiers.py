@@ -21,10 +21,7 @@ and time to first token): nothing may starve.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import math
-import random
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -32,38 +29,17 @@ from typing import Any
 
 from extproc.policy import hash_key
 from extproc.scheduler.adaptive import AdaptiveSettings
-from gateway_lab.bench.common import (
-    RECORD_COLUMNS,
-    CapacityConfig,
-    EngineSet,
-    Load,
-    Meter,
-    Monitor,
-    Spec,
-    add_scenario_arguments,
-    chosen_timing,
-    closed_loop,
-    engine_set,
-    fmt,
-    gateway_stack,
-    jain_index,
-    log,
-    open_loop,
-    progress,
-    prompt_text,
-    pyplot,
-    run_async,
-    save_figure,
-    save_results,
-    status_counts,
-    ttft_stats,
-    wait_engines_idle,
-    within,
-)
+from gateway_lab.bench import scenario
+from gateway_lab.bench.capacity import CapacityConfig
+from gateway_lab.bench.figures import pyplot, save_figure
+from gateway_lab.bench.loadgen import Load
+from gateway_lab.bench.monitor import Monitor, log
+from gateway_lab.bench.records import RECORD_COLUMNS, Meter, Spec
+from gateway_lab.bench.stack import PROFILE, EngineSet, Gateway
+from gateway_lab.bench.stats import fmt, jain_index, status_counts, ttft_stats, within
 
 NAME = "tiers"
 DEFAULT_OUT = Path("results/tiers")
-POOL = "main"
 PREMIUM = "acme"
 STANDARD = {"globex": 2.0, "initech": 1.0, "hooli": 1.0}
 KEYS = {name: f"bench-{name}-key" for name in (PREMIUM, *STANDARD)}
@@ -119,7 +95,7 @@ def policy_text(endpoint: str, work: Workload) -> str:
         )
     lines += [
         "pools:",
-        f"  {POOL}: {{max_total_tokens: 131072, max_inflight: 512, "
+        f"  {scenario.POOL}: {{max_total_tokens: 131072, max_inflight: 512, "
         f'max_inflight_tokens: 1000000000, endpoints: ["{endpoint}"]}}',
         "fairness: {policy: drr, input_weight: 1, output_weight: 2, quantum: 64}",
         "estimation: {mode: flat, default_bytes_per_token: 4.0}",
@@ -130,80 +106,41 @@ def policy_text(endpoint: str, work: Workload) -> str:
 
 def capacity(work: Workload) -> CapacityConfig:
     settings = AdaptiveSettings(min_inflight=4, initial_inflight=16, headroom=work.headroom)
-    return CapacityConfig(adaptive={POOL: settings})
+    return CapacityConfig(adaptive={scenario.POOL: settings})
 
 
 def premium_maker(work: Workload, seed: int) -> Callable[[int], Spec]:
-    rng = random.Random(seed)
-    prompts = [prompt_text(work.premium_prompt, rng) for _ in range(16)]
-
-    def make(index: int) -> Spec:
-        return Spec(
-            PREMIUM, KEYS[PREMIUM], prompts[index % 16], work.premium_prompt, work.premium_output
-        )
-
-    return make
+    return scenario.fixed_maker(
+        PREMIUM, KEYS[PREMIUM], work.premium_prompt, work.premium_output, seed
+    )
 
 
 def standard_maker(tenant: str, work: Workload, seed: int) -> Callable[[int], Spec]:
-    rng = random.Random(seed)
-    words = prompt_text(math.ceil(work.standard_prompt * (1 + work.spread)), rng)
-
-    def make(_index: int) -> Spec:
-        prompt = max(8, round(work.standard_prompt * rng.uniform(1 - work.spread, 1 + work.spread)))
-        output = max(1, round(work.standard_output * rng.uniform(1 - work.spread, 1 + work.spread)))
-        return Spec(tenant, KEYS[tenant], words[: 4 * (prompt - 4)], prompt, output)
-
-    return make
+    return scenario.spread_maker(
+        tenant, KEYS[tenant], work.standard_prompt, work.standard_output, work.spread, seed,
+        vary_output=True,
+    )  # fmt: skip
 
 
-async def drive(
-    arm: Arm,
-    url: str,
-    engines: EngineSet,
-    admin_url: str | None,
-    work: Workload,
-    timing: Timing,
-    seed: int,
+async def drive_arm(
+    arm: Arm, gateway: Gateway, engines: EngineSet, work: Workload, timing: Timing, seed: int
 ) -> dict[str, Any]:
     meter = Meter(bin_s=0.5)
     end = arm.warmup_s + timing.measure_s
-    grace = timing.grace_s
-    async with Load(url, meter) as load:
-        premium_done = asyncio.Event()
-
-        async def premium() -> None:
-            try:
-                await open_loop(
-                    load, premium_maker(work, seed), work.premium_rate, end,
-                    seed=seed + 1, grace_s=grace,
-                )  # fmt: skip
-            finally:
-                premium_done.set()
-
-        jobs = [premium()]
-        if arm.standard:
-            for index, tenant in enumerate(STANDARD):
-                jobs.append(
-                    closed_loop(
-                        load,
-                        standard_maker(tenant, work, seed + 10 + index),
-                        work.standard_concurrency,
-                        end + grace,
-                        ramp_s=timing.ramp_s,
-                        seed=seed + 20 + index,
-                        stop=premium_done,
-                    )
-                )
-        monitor = Monitor(load, engines.all(), admin_url)
-        watch = asyncio.ensure_future(monitor.run(end + grace))
-        ticker = asyncio.ensure_future(progress(NAME, arm.name, load, end))
-        try:
-            await asyncio.gather(*jobs)
-        finally:
-            for task in (watch, ticker):
-                task.cancel()
-            await asyncio.gather(watch, ticker, return_exceptions=True)
+    async with Load(gateway.url, meter) as load:
+        standard = [
+            scenario.Background(
+                standard_maker(tenant, work, seed + 10 + index),
+                work.standard_concurrency,
+                seed + 20 + index,
+            )
+            for index, tenant in enumerate(STANDARD)
+        ]
+        premium = scenario.Foreground(premium_maker(work, seed), work.premium_rate, seed + 1)
+        monitor = await scenario.contend(
+            NAME, arm.name, load, engines, gateway, premium, standard if arm.standard else [],
+            end, grace_s=timing.grace_s, ramp_s=timing.ramp_s,
+        )  # fmt: skip
     return summarize_arm(arm, load, meter, monitor, end)
 
 
@@ -249,14 +186,12 @@ def summarize_arm(
 def run_arm(
     arm: Arm, engines: EngineSet, workdir: Path, work: Workload, timing: Timing, seed: int
 ) -> dict[str, Any]:
-    run_async(wait_engines_idle(engines.all()))
-    endpoint = engines.endpoints[POOL][0]
-    log(NAME, f"arm {arm.name}: starting Envoy{' + service' if arm.path == 'service' else ''}")
-    with gateway_stack(
-        workdir / arm.name, engines, policy_text(endpoint, work), arm.path, capacity(work)
+    endpoint = engines.endpoints[scenario.POOL][0]
+    with scenario.arm_gateway(
+        NAME, arm.name, workdir, engines, policy_text(endpoint, work), arm.path, capacity(work)
     ) as gateway:
-        result: dict[str, Any] = run_async(
-            drive(arm, gateway.url, engines, gateway.admin_url, work, timing, seed)
+        result: dict[str, Any] = scenario.run_async(
+            drive_arm(arm, gateway, engines, work, timing, seed)
         )
     premium = result["tenants"].get(PREMIUM, {}).get("ttft", {})
     log(NAME, f"arm {arm.name}: premium p50 {fmt(premium.get('p50_ms', math.nan))} ms "
@@ -366,49 +301,36 @@ def plot(results: dict[str, dict[str, Any]], summary: dict[str, Any], path: Path
 def run(
     out: Path,
     workdir: Path,
+    work: Workload,
+    timing: Timing,
     *,
-    quick: bool = False,
-    work: Workload | None = None,
-    timing: Timing | None = None,
     seed: int = 23,
-    profile: str = "a100-llama3-8b",
+    profile: str = PROFILE,
 ) -> dict[str, Any]:
-    work = work or (Workload(standard_concurrency=16) if quick else Workload())
-    timing = timing or (Timing.quick() if quick else Timing())
     arms = [
         Arm("premium-solo", "service", False, timing.warmup_solo_s),
         Arm("fifo", "direct", True, timing.warmup_s),
         Arm("tiers", "service", True, timing.warmup_s),
     ]
-    began = time.perf_counter()
-    results: dict[str, dict[str, Any]] = {}
-    log(NAME, f"{len(arms)} arms, {timing.measure_s:.0f}s measured each; profile {profile}")
-    with engine_set(workdir / "engines", {POOL: 1}, profile) as engines:
-        for arm in arms:
-            results[arm.name] = run_arm(arm, engines, workdir, work, timing, seed)
-    summary = compare(results)
-    report = {
-        "scenario": NAME,
-        "profile": profile,
-        "workload": work.__dict__,
-        "timing": timing.__dict__,
-        "weights": STANDARD,
-        "wall_s": time.perf_counter() - began,
-        "summary": summary,
-        "arms": results,
-    }
-    save_results(
-        out,
-        report,
-        "tiers.png",
-        lambda path: plot(results, summary, path),
-        lambda: print_table(results, summary),
-    )
-    return report
+
+    def conclude(results: scenario.Results) -> scenario.Conclusion:
+        summary = compare(results)
+        return scenario.Conclusion(
+            summary,
+            lambda path: plot(results, summary, path),
+            lambda: print_table(results, summary),
+        )
+
+    return scenario.run_scenario(
+        NAME, out, workdir, profile=profile, work=work, timing=timing,
+        settings={"weights": STANDARD}, arms=arms,
+        run_arm=lambda arm, engines, _results: run_arm(arm, engines, workdir, work, timing, seed),
+        conclude=conclude, figure="tiers.png",
+    )  # fmt: skip
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    add_scenario_arguments(parser, DEFAULT_OUT, "measured seconds per arm (default 45)")
+    scenario.add_scenario_arguments(parser, DEFAULT_OUT, "measured seconds per arm (default 45)")
     parser.add_argument("--premium-rate", type=float, help="premium requests/s (default 2)")
     parser.add_argument("--standard-concurrency", type=int, help="clients per standard tenant")
     parser.add_argument("--seed", type=int, default=23)
@@ -420,19 +342,10 @@ def main(args: argparse.Namespace) -> int:
         work = replace(work, premium_rate=args.premium_rate)
     if args.standard_concurrency:
         work = replace(work, standard_concurrency=args.standard_concurrency)
-    timing = chosen_timing(args, Timing(), Timing.quick())
-    run(
-        args.out,
-        args.workdir or args.out / "stacks",
-        quick=args.quick,
-        work=work,
-        timing=timing,
-        seed=args.seed,
-    )
+    timing = scenario.chosen_timing(args, Timing(), Timing.quick())
+    run(args.out, scenario.workdir_of(args), work, timing, seed=args.seed)
     return 0
 
 
 if __name__ == "__main__":
-    _parser = argparse.ArgumentParser(prog="python -m gateway_lab.bench.tiers", description=__doc__)
-    add_arguments(_parser)
-    raise SystemExit(main(_parser.parse_args()))
+    raise SystemExit(scenario.script_main("gateway_lab.bench.tiers", __doc__, add_arguments, main))

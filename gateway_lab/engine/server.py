@@ -21,80 +21,39 @@ import contextlib
 import logging
 import socket
 import time
-import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
 from typing import Any
 
 import orjson
 from aiohttp import web
-from aiohttp.typedefs import Handler
 
 from extproc.types import ENGINE_HEADER
 from gateway_lab.engine.metrics import CONTENT_TYPE, EngineMetrics
 from gateway_lab.engine.model import EngineCore, StepResult
-from gateway_lab.engine.profiles import EngineProfile, get_profile
-from gateway_lab.engine.tokens import (
-    PromptError,
-    chat_prompt_tokens,
-    completion_prompt_tokens,
-    output_piece,
-    output_text,
+from gateway_lab.engine.openai_api import (
+    MAX_BODY_BYTES,
+    ApiError,
+    Params,
+    error_middleware,
+    full_body,
+    parse_request,
+    read_json,
+    sse_event,
+    token_event,
+    usage_of,
 )
+from gateway_lab.engine.profiles import EngineProfile, get_profile
 
 log = logging.getLogger(__name__)
 
 DEFAULT_MODEL = "meta-llama/Llama-3.1-8B-Instruct"
 DEFAULT_MAX_TOKENS = 256
-_MAX_BODY_BYTES = 64 * 1024 * 1024
 _SHUTDOWN_TIMEOUT_S = 2.0
 
 # Events a request handler receives from the step loop.
 _TOKEN = 0
 _FINISHED = 1
 _STOPPED = -1
-
-
-class ApiError(Exception):
-    """An error answered with vLLM's (OpenAI's) JSON error body."""
-
-    def __init__(
-        self,
-        status: int,
-        message: str,
-        err_type: str = "BadRequestError",
-        param: str | None = None,
-    ) -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.err_type = err_type
-        self.param = param
-
-    def response(self) -> web.Response:
-        body = {
-            "error": {
-                "message": self.message,
-                "type": self.err_type,
-                "param": self.param,
-                "code": self.status,
-            }
-        }
-        return web.Response(
-            status=self.status, body=orjson.dumps(body), content_type="application/json"
-        )
-
-
-@dataclass(frozen=True, slots=True)
-class _Params:
-    chat: bool
-    req_id: str
-    created: int
-    prompt_tokens: int
-    max_tokens: int
-    stream: bool
-    include_usage: bool
-    continuous_usage: bool
 
 
 class _Pending:
@@ -105,15 +64,6 @@ class _Pending:
         self.stream = stream
         self.last_token = -1.0
         self.events: asyncio.Queue[int] = asyncio.Queue()
-
-
-def _int_field(body: dict[str, Any], name: str) -> int | None:
-    value = body.get(name)
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ApiError(400, f"'{name}' must be an integer", param=name)
-    return value
 
 
 class EngineServer:
@@ -260,7 +210,7 @@ class EngineServer:
     # -- HTTP --------------------------------------------------------------------------------
 
     def _make_app(self) -> web.Application:
-        app = web.Application(client_max_size=_MAX_BODY_BYTES, middlewares=[_error_middleware])
+        app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=[error_middleware])
         app.on_response_prepare.append(self._add_engine_header)
         app.router.add_post("/v1/chat/completions", self._chat_completions)
         app.router.add_post("/v1/completions", self._completions)
@@ -299,7 +249,14 @@ class EngineServer:
 
     async def _generate(self, request: web.Request, *, chat: bool) -> web.StreamResponse:
         arrival = time.monotonic()
-        params = self._parse(await _read_json(request), chat)
+        params = parse_request(
+            await read_json(request),
+            chat,
+            model=self.model,
+            strict_model=self.strict_model,
+            max_model_len=self.profile.max_model_len,
+            default_max_tokens=self.default_max_tokens,
+        )
         if self.profile.frontend_s > 0:
             await asyncio.sleep(self.profile.frontend_s)
         if self._closing or self._failed:
@@ -315,7 +272,7 @@ class EngineServer:
             if await entry.events.get() == _STOPPED:
                 raise ApiError(503, "The engine stopped.", "ServiceUnavailableError")
             return web.Response(
-                body=orjson.dumps(self._full_body(params)), content_type="application/json"
+                body=orjson.dumps(full_body(params)), content_type="application/json"
             )
         finally:
             del self._pending[req_id]
@@ -323,159 +280,8 @@ class EngineServer:
             if self.core.abort(req_id):
                 self.metrics.success["abort"] += 1
 
-    def _parse(self, body: dict[str, Any], chat: bool) -> _Params:
-        model = body.get("model")
-        if model is not None and model != self.model and self.strict_model:
-            raise ApiError(404, f"The model `{model}` does not exist.", "NotFoundError", "model")
-        try:
-            if chat:
-                prompt_tokens = chat_prompt_tokens(body.get("messages"), body.get("tools"))
-            else:
-                prompt_tokens = completion_prompt_tokens(body.get("prompt"))
-        except PromptError as exc:
-            raise ApiError(400, str(exc)) from None
-        if prompt_tokens < 1:
-            raise ApiError(400, "The prompt must not be empty.", param="prompt")
-
-        limit = self.profile.max_model_len
-        max_tokens = _int_field(body, "max_completion_tokens") if chat else None
-        if max_tokens is None:
-            max_tokens = _int_field(body, "max_tokens")
-        if prompt_tokens >= limit:
-            raise ApiError(
-                400,
-                f"This model's maximum context length is {limit} tokens. However, your request "
-                f"has {prompt_tokens} input tokens. Please reduce the length of the input "
-                "messages.",
-            )
-        if max_tokens is None:
-            max_tokens = min(self.default_max_tokens, limit - prompt_tokens)
-        elif max_tokens < 1:
-            raise ApiError(
-                400, f"max_tokens must be at least 1, got {max_tokens}.", param="max_tokens"
-            )
-        elif prompt_tokens + max_tokens > limit:
-            raise ApiError(
-                400,
-                f"This model's maximum context length is {limit} tokens. However, you requested "
-                f"{max_tokens} output tokens and your prompt contains at least {prompt_tokens} "
-                f"input tokens, for a total of at least {prompt_tokens + max_tokens} tokens. "
-                "Please reduce the length of the input prompt or the number of requested output "
-                "tokens.",
-                param="max_tokens",
-            )
-        min_tokens = _int_field(body, "min_tokens") or 0
-        if min_tokens < 0 or min_tokens > max_tokens:
-            raise ApiError(
-                400,
-                f"min_tokens must be between 0 and max_tokens={max_tokens}, got {min_tokens}.",
-                param="min_tokens",
-            )
-        ignore_eos = body.get("ignore_eos")
-        if ignore_eos is not None and not isinstance(ignore_eos, bool):
-            raise ApiError(400, "'ignore_eos' must be a boolean", param="ignore_eos")
-
-        stream = body.get("stream")
-        if stream is None:
-            stream = False
-        elif not isinstance(stream, bool):
-            raise ApiError(400, "'stream' must be a boolean", param="stream")
-        options = body.get("stream_options")
-        include_usage = continuous_usage = False
-        if options is not None:
-            if not stream:
-                raise ApiError(
-                    400,
-                    "Stream options can only be defined when `stream=True`.",
-                    param="stream_options",
-                )
-            if not isinstance(options, dict):
-                raise ApiError(400, "'stream_options' must be an object", param="stream_options")
-            include_usage = options.get("include_usage") is True
-            continuous_usage = include_usage and options.get("continuous_usage_stats") is True
-        prefix = "chatcmpl-" if chat else "cmpl-"
-        return _Params(
-            chat=chat,
-            req_id=prefix + uuid.uuid4().hex,
-            created=int(time.time()),
-            prompt_tokens=prompt_tokens,
-            max_tokens=max_tokens,
-            stream=stream,
-            include_usage=include_usage,
-            continuous_usage=continuous_usage,
-        )
-
-    def _usage(self, params: _Params, completion_tokens: int) -> dict[str, Any]:
-        return {
-            "prompt_tokens": params.prompt_tokens,
-            "total_tokens": params.prompt_tokens + completion_tokens,
-            "completion_tokens": completion_tokens,
-            "prompt_tokens_details": None,
-        }
-
-    def _full_body(self, params: _Params) -> dict[str, Any]:
-        text = output_text(params.max_tokens)
-        choice: dict[str, Any]
-        if params.chat:
-            choice = {
-                "index": 0,
-                "message": {
-                    "role": "assistant",
-                    "reasoning_content": None,
-                    "content": text,
-                    "tool_calls": [],
-                },
-                "logprobs": None,
-                "finish_reason": "length",
-                "stop_reason": None,
-            }
-        else:
-            choice = {
-                "index": 0,
-                "text": text,
-                "logprobs": None,
-                "finish_reason": "length",
-                "stop_reason": None,
-                "prompt_logprobs": None,
-            }
-        return {
-            "id": params.req_id,
-            "object": "chat.completion" if params.chat else "text_completion",
-            "created": params.created,
-            "model": self.model,
-            "choices": [choice],
-            "usage": self._usage(params, params.max_tokens),
-            "prompt_logprobs": None,
-        }
-
-    def _chunk(self, params: _Params, index: int, finish: bool) -> bytes:
-        """One SSE event carrying output token `index`; the last one carries finish_reason."""
-        choice: dict[str, Any]
-        text = output_piece(index)
-        if params.chat:
-            choice = {"index": 0, "delta": {"content": text}, "logprobs": None}
-        else:
-            choice = {"index": 0, "text": text, "logprobs": None}
-        choice["finish_reason"] = "length" if finish else None
-        if finish or not params.chat:
-            choice["stop_reason"] = None
-        usage = self._usage(params, index + 1) if params.continuous_usage else None
-        return self._event(params, [choice], usage)
-
-    def _event(self, params: _Params, choices: list[Any], usage: dict[str, Any] | None) -> bytes:
-        body: dict[str, Any] = {
-            "id": params.req_id,
-            "object": "chat.completion.chunk" if params.chat else "text_completion",
-            "created": params.created,
-            "model": self.model,
-            "choices": choices,
-        }
-        if usage is not None:
-            body["usage"] = usage
-        return b"data: " + orjson.dumps(body) + b"\n\n"
-
     async def _stream(
-        self, request: web.Request, params: _Params, entry: _Pending
+        self, request: web.Request, params: Params, entry: _Pending
     ) -> web.StreamResponse:
         response = web.StreamResponse(
             headers={
@@ -500,18 +306,18 @@ class EngineServer:
                         "logprobs": None,
                         "finish_reason": None,
                     }
-                    usage = self._usage(params, 0) if params.continuous_usage else None
-                    out += self._event(params, [role], usage)
+                    counts = usage_of(params, 0) if params.continuous_usage else None
+                    out += sse_event(params, [role], counts)
                 finished = stopped = False
                 for event in batch:
                     if event == _STOPPED:
                         stopped = True
                         break
                     finished = event == _FINISHED
-                    out += self._chunk(params, sent, finished)
+                    out += token_event(params, sent, finished)
                     sent += 1
                 if finished and params.include_usage:
-                    out += self._event(params, [], self._usage(params, sent))
+                    out += sse_event(params, [], usage_of(params, sent))
                 if finished:
                     out += b"data: [DONE]\n\n"
                 if out:
@@ -521,28 +327,6 @@ class EngineServer:
         except ConnectionError:
             pass  # the client went away; the caller aborts the request
         return response
-
-
-@web.middleware
-async def _error_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
-    try:
-        return await handler(request)
-    except ApiError as exc:
-        return exc.response()
-
-
-async def _read_json(request: web.Request) -> dict[str, Any]:
-    try:
-        raw = await request.read()
-    except web.HTTPRequestEntityTooLarge:
-        raise ApiError(413, "The request body is too large.") from None
-    try:
-        body = orjson.loads(raw)
-    except orjson.JSONDecodeError as exc:
-        raise ApiError(400, f"Invalid JSON body: {exc}") from None
-    if not isinstance(body, dict):
-        raise ApiError(400, "The request body must be a JSON object.")
-    return body
 
 
 @contextlib.asynccontextmanager

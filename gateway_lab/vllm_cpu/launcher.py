@@ -316,6 +316,32 @@ class VllmServer:
         return log_tail(self.log_path, lines)
 
 
+def preset_command(
+    model_dir: Path | str,
+    port: int,
+    preset: PoolPreset,
+    *,
+    served_model_name: str | Sequence[str] = DEFAULT_SERVED_MODEL_NAME,
+    host: str = LOOPBACK,
+    python: str | None = None,
+    extra_args: Sequence[str] = (),
+) -> list[str]:
+    """`vllm_command` for a server shaped by `preset`."""
+    return vllm_command(
+        model_dir,
+        port,
+        preset.max_model_len,
+        preset.max_num_seqs,
+        served_model_name=served_model_name,
+        max_num_batched_tokens=preset.max_num_batched_tokens,
+        kv_cache_blocks=preset.kv_cache_blocks,
+        enforce_eager=preset.enforce_eager,
+        host=host,
+        python=python,
+        extra_args=extra_args,
+    )
+
+
 def start_server(
     model_dir: Path | str,
     preset: PoolPreset,
@@ -328,15 +354,11 @@ def start_server(
     env: Mapping[str, str] | None = None,
 ) -> VllmServer:
     """Start one pool's server in the background (its own session); does not wait for it."""
-    command = vllm_command(
+    command = preset_command(
         model_dir,
         port,
-        preset.max_model_len,
-        preset.max_num_seqs,
+        preset,
         served_model_name=served_model_name,
-        max_num_batched_tokens=preset.max_num_batched_tokens,
-        kv_cache_blocks=preset.kv_cache_blocks,
-        enforce_eager=preset.enforce_eager,
         python=python,
         extra_args=extra_args,
     )

@@ -42,7 +42,7 @@ from gateway_lab.vllm_cpu.launcher import (
     PoolPreset,
     VllmStartError,
     log_tail,
-    vllm_command,
+    preset_command,
     vllm_env,
 )
 from gateway_lab.vllm_cpu.model_builder import (
@@ -277,15 +277,11 @@ def vllm_children(
                 f"{spec.name}: context capped at {preset.max_model_len} tokens (the tiny model's "
                 f"limit; the policy allows {policy.pools[spec.pool].max_total_tokens})"
             )
-        command = vllm_command(
+        command = preset_command(
             model,
             spec.port,
-            preset.max_model_len,
-            preset.max_num_seqs,
+            preset,
             served_model_name=served_model_names,
-            max_num_batched_tokens=preset.max_num_batched_tokens,
-            kv_cache_blocks=preset.kv_cache_blocks,
-            enforce_eager=preset.enforce_eager,
             host=spec.host,
             python=python,
         )

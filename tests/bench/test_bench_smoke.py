@@ -14,7 +14,7 @@ import pytest
 
 from gateway_lab.bench import fairness, noisy, tiers
 
-pytestmark = [pytest.mark.smoke, pytest.mark.dataplane]
+pytestmark = [pytest.mark.smoke, pytest.mark.dataplane, pytest.mark.plots]
 
 
 def _run(module: ModuleType, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> Any:

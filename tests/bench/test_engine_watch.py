@@ -1,11 +1,20 @@
-"""The engine watcher: parse vLLM metrics pages, poll real (emulated) engines, feed limits."""
+"""The engine watcher: parse vLLM metrics pages, poll real (emulated) engines, feed limits;
+the engine poller its readings come from, shared with the reconciler."""
 
 from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Mapping
+
+from aiohttp import web
 
 from extproc.policy import policy_from_text
 from extproc.scheduler import ManualClock, Scheduler
 from extproc.scheduler.adaptive import AdaptiveSettings, EngineCapacities
-from extproc.service.engine_watch import EngineWatcher, parse_engine_metrics, pool_sample
+from extproc.service.engine_metrics import EngineReading, parse_engine_metrics
+from extproc.service.engine_poller import EnginePoller
+from extproc.service.engine_watch import EngineWatcher, pool_sample
 from gateway_lab.engine.server import running_engine
 
 PAGE = """\
@@ -58,14 +67,16 @@ pools:
         for _ in range(4):
             capacity.acquire(10)  # the limit binds
         changes: list[int] = []
+        poller = EnginePoller()
         watcher = EngineWatcher(
             capacities,
             lambda: {"p": [endpoint], "static": ["127.0.0.1:1"]},
             clock,
             lambda: changes.append(capacity.soft_limit()),
+            poller,
         )
         samples = await watcher.poll_once()
-        await watcher.stop()
+        await poller.stop()
         assert samples["p"].waiting == 0 and samples["p"].engines == 1
         assert changes == [5]
         assert watcher.failures == 0
@@ -86,9 +97,93 @@ pools:
     capacities = EngineCapacities({"p": AdaptiveSettings(initial_inflight=4)})
     clock = ManualClock(0.0)
     Scheduler(policy, clock, capacity_factory=capacities.factory)
+    poller = EnginePoller()
     watcher = EngineWatcher(
-        capacities, lambda: {"p": ["127.0.0.1:9"]}, clock, lambda: None, timeout_s=0.5
+        capacities, lambda: {"p": ["127.0.0.1:9"]}, clock, lambda: None, poller, timeout_s=0.5
     )
     assert await watcher.poll_once() == {}
-    await watcher.stop()
+    await poller.stop()
     assert watcher.failures == 1 and capacities.adaptive["p"].soft_limit() == 4
+
+
+class Recorder:
+    """A poller subscriber due once: wants `endpoints`, keeps what it is handed."""
+
+    def __init__(self, endpoints: list[str], fail: bool = False) -> None:
+        self.endpoints = endpoints
+        self.fail = fail
+        self.asked = False
+        self.got: asyncio.Future[dict[str, EngineReading | None]] = (
+            asyncio.get_running_loop().create_future()
+        )
+
+    def due_in(self) -> float:
+        return 3600.0 if self.asked else 0.0
+
+    def wanted(self) -> dict[str, float]:
+        self.asked = True
+        if self.fail:
+            raise RuntimeError("this subscriber is broken")
+        return dict.fromkeys(self.endpoints, 2.0)
+
+    def deliver(self, readings: Mapping[str, EngineReading | None]) -> None:
+        self.got.set_result(dict(readings))
+
+
+@contextlib.asynccontextmanager
+async def metrics_server(
+    hold: asyncio.Event | None = None,
+) -> AsyncIterator[tuple[str, list[str], asyncio.Event]]:
+    """An engine page at /metrics that counts its scrapes (and answers once `hold` is set)."""
+    scrapes: list[str] = []
+    arrived = asyncio.Event()
+
+    async def metrics(request: web.Request) -> web.Response:
+        scrapes.append(request.path)
+        arrived.set()
+        if hold is not None:
+            await hold.wait()
+        return web.Response(text=PAGE)
+
+    app = web.Application()
+    app.router.add_get("/metrics", metrics)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = runner.addresses[0][1]
+    try:
+        yield f"127.0.0.1:{port}", scrapes, arrived
+    finally:
+        await runner.cleanup()
+
+
+async def test_poller_reads_an_engine_once_for_all_its_subscribers() -> None:
+    async with metrics_server() as (endpoint, scrapes, _):
+        poller = EnginePoller()
+        watch, reconcile = Recorder([endpoint]), Recorder([endpoint, "127.0.0.1:9"])
+        broken = Recorder([endpoint], fail=True)
+        for subscriber in (broken, watch, reconcile):
+            poller.subscribe(subscriber)
+        got_watch = await asyncio.wait_for(watch.got, 10.0)
+        got_reconcile = await asyncio.wait_for(reconcile.got, 10.0)
+        await poller.stop()
+    assert scrapes == ["/metrics"]  # one fetch served both subscribers
+    assert got_watch == {endpoint: parse_engine_metrics(PAGE)}
+    assert got_reconcile == {endpoint: parse_engine_metrics(PAGE), "127.0.0.1:9": None}
+    assert broken.asked and not broken.got.done()
+
+
+async def test_an_unsubscribed_subscriber_gets_no_reading_from_a_fetch_under_way() -> None:
+    hold = asyncio.Event()
+    async with metrics_server(hold) as (endpoint, _, arrived):
+        poller = EnginePoller()
+        leaving, staying = Recorder([endpoint]), Recorder([endpoint])
+        poller.subscribe(leaving)
+        poller.subscribe(staying)
+        await asyncio.wait_for(arrived.wait(), 10.0)
+        poller.unsubscribe(leaving)
+        hold.set()
+        await asyncio.wait_for(staying.got, 10.0)
+        await poller.stop()
+    assert leaving.asked and not leaving.got.done()

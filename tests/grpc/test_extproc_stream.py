@@ -16,6 +16,7 @@ from envoy.service.ext_proc.v3.external_processor_pb2 import (
 )
 
 from extproc.policy import policy_from_text
+from extproc.service.composition import compose
 from extproc.service.gateway import Gateway
 from extproc.service.processor import http_headers
 from extproc.service.server import start_grpc_server
@@ -74,7 +75,7 @@ class EnvoyPeer:
 
 @pytest.fixture
 async def service() -> AsyncIterator[tuple[Gateway, ext_proc_grpc.ExternalProcessorStub]]:
-    gateway = Gateway(policy_from_text(policy_yaml(short_inflight=1)))
+    gateway = compose(policy_from_text(policy_yaml(short_inflight=1)))
     server, port = await start_grpc_server(gateway, "127.0.0.1:0")
     channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
     try:

@@ -13,6 +13,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ext_proc_gr
 from extproc.openai_request import CHAT_PATH, parse_inference_request
 from extproc.policy import Policy, policy_from_text
 from extproc.scheduler import Ticket
+from extproc.service.composition import compose
 from extproc.service.gateway import Gateway
 from extproc.service.server import start_grpc_server
 from gateway_lab.sim.replay import ReplayArrival, replay_admissions
@@ -71,7 +72,7 @@ async def live() -> AsyncIterator[tuple[Gateway, ext_proc_grpc.ExternalProcessor
     text = policy_yaml(
         acme_limits=LIMITS, globex_limits=LIMITS, initech_limits=LIMITS, short_inflight=1
     )
-    gateway = Gateway(policy_from_text(text))
+    gateway = compose(policy_from_text(text))
     server, port = await start_grpc_server(gateway, "127.0.0.1:0")
     channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
     try:

@@ -26,6 +26,7 @@ from extproc.admin import AdminServer, is_loopback
 from extproc.metrics import UNKNOWN_TENANT, Metrics
 from extproc.policy import load_policy
 from extproc.reload import PolicyReloader
+from extproc.service.composition import compose
 from extproc.service.gateway import Gateway
 from extproc.service.main import ServeOptions, Service
 from extproc.service.server import start_grpc_server
@@ -63,7 +64,7 @@ class Admin:
 async def admin(tmp_path: Path) -> AsyncIterator[Admin]:
     path = tmp_path / "policy.yaml"
     path.write_text(policy_yaml(short_inflight=1))
-    gateway = Gateway(load_policy(path))
+    gateway = compose(load_policy(path))
     reloader = PolicyReloader(str(path), gateway.apply_policy, gateway.metrics, interval_s=0)
     reloader.mark_loaded(path.read_text())
     server = AdminServer(gateway, reloader=reloader)

@@ -167,6 +167,7 @@ def test_every_mount_exists_and_named_volumes_are_declared() -> None:
                 assert source in declared, f"{name}: named volume {source} is not declared"
 
 
+@pytest.mark.dataplane
 def test_mounted_envoy_config_passes_envoy_validate(tmp_path: Path) -> None:
     (source, target) = next(
         m for m in bind_mounts(compose()["services"]["envoy"]) if m[1].endswith(".json")

@@ -286,6 +286,7 @@ def test_envoy_gateway_routes_each_pool_header_to_its_service() -> None:
     assert matched == {pool: f"vllm-{pool}" for pool in policy.pools}
 
 
+@pytest.mark.dataplane
 def test_deploy_filter_snippets_pass_envoy_validate(tmp_path: Path) -> None:
     """The Istio and Envoy Gateway filter configs are valid Envoy 1.40 protos: put them into
     the rendered bootstrap in place of its own filters and let Envoy check the result."""

@@ -23,6 +23,7 @@ from ruamel.yaml import YAML
 import extproc.reload as reload_module
 from extproc.policy import PolicyFile, load_policy
 from extproc.reload import PolicyReloader
+from extproc.service.composition import compose
 from extproc.service.gateway import Gateway
 from extproc.service.main import JsonFormatter
 from extproc.service.server import start_grpc_server
@@ -83,7 +84,7 @@ class Running:
 async def running(tmp_path: Path) -> AsyncIterator[Running]:
     path = tmp_path / "policy.yaml"
     path.write_text(policy_yaml(short_inflight=1))
-    gateway = Gateway(load_policy(path))
+    gateway = compose(load_policy(path))
     reloader = PolicyReloader(str(path), gateway.apply_policy, gateway.metrics, interval_s=0.05)
     reloader.mark_loaded(path.read_text())
     server, port = await start_grpc_server(gateway, "127.0.0.1:0")

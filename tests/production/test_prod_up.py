@@ -8,6 +8,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from extproc.policy import load_policy
 from gateway_lab.processes import STOP_FIRST, STOP_LAST, Child, Stack
 from gateway_lab.up import StackConfig, build_stack
@@ -99,6 +101,7 @@ def test_kill_does_not_wait_and_stop_then_returns_at_once(tmp_path: Path) -> Non
         stack.kill()
 
 
+@pytest.mark.dataplane  # the stack's envoy child is the real binary
 def test_build_stack_orders_the_real_children(tmp_path: Path) -> None:
     path = tmp_path / "policy.yaml"
     path.write_text(policy_yaml())

@@ -13,7 +13,7 @@ import pytest
 from gateway_lab.bench import scaleout
 from tests.redis.support import RedisServer
 
-pytestmark = [pytest.mark.redis, pytest.mark.smoke]
+pytestmark = [pytest.mark.redis, pytest.mark.h2load, pytest.mark.plots, pytest.mark.smoke]
 
 
 def test_scaleout_benchmark_smoke(redis_server: RedisServer, tmp_path: Path) -> None:

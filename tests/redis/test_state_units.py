@@ -6,6 +6,7 @@ from __future__ import annotations
 from extproc.policy.model import Pool
 from extproc.scheduler import Bucket, ManualClock, Scheduler, Take, TakeResult
 from extproc.state import SharedCapacity, SharedLimitStore, local_share
+from extproc.state.ops import GiveBack, Op
 from tests.scheduler.sched_support import make_policy, ticket
 
 
@@ -109,7 +110,7 @@ def test_capacity_mirror_counts_other_processes_only_when_shared() -> None:
 
 
 def test_limit_store_facade_routes_by_mode_and_keeps_the_outage_debt() -> None:
-    sent: list[dict[str, object]] = []
+    sent: list[Op] = []
     store = SharedLimitStore(sent.append)
     bucket = Bucket("a:tokens", 100.0, 1.0)
     prepared = TakeResult(True, (40.0,), 0.0)
@@ -117,7 +118,7 @@ def test_limit_store_facade_routes_by_mode_and_keeps_the_outage_debt() -> None:
     assert store.try_take([Take(bucket, 60.0)], 0.0) is prepared
     assert store.unused() is None
     store.give_back(bucket, 10.0, 0.0)
-    assert sent and sent[-1]["o"] == "give"
+    assert sent and sent[-1] == GiveBack(bucket, 10.0)
     store.adjust(bucket, 5.0, 0.0)  # shared: settled by the release in Redis
     assert len(sent) == 1
     store.shared = False

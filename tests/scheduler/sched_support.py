@@ -7,9 +7,17 @@ from collections.abc import Mapping
 from typing import Any
 
 from extproc.policy import Policy, policy_from_text
-from extproc.scheduler import ManualClock, Scheduler, Ticket
+from extproc.scheduler import (
+    FAIRNESS_POLICIES,
+    ManualClock,
+    Rejection,
+    Scheduler,
+    Ticket,
+    make_fairness,
+)
 
-FAIRNESS = ("drr", "vtc")
+FAIRNESS = tuple(FAIRNESS_POLICIES)
+"""Every registered fair-share policy: the conformance suite runs under each."""
 
 
 def _flow(mapping: Mapping[str, Any]) -> str:
@@ -88,3 +96,20 @@ def scheduler(
 ) -> tuple[Scheduler, ManualClock]:
     clock = ManualClock(start)
     return Scheduler(policy, clock, **options), clock
+
+
+def submit_ok(sched: Scheduler, t: Ticket) -> Ticket:
+    rejection: Rejection | None = sched.submit(t)
+    assert rejection is None, rejection
+    return t
+
+
+def level_sign(fairness: str) -> int:
+    """+1 if the policy's fair-share level rises as a tenant is charged, -1 if it falls."""
+    policy = make_fairness(fairness, 4096)
+    policy.on_backlogged("probe", 1.0)
+    before = policy.level("probe")
+    policy.charge("probe", 1.0)
+    after = policy.level("probe")
+    assert after != before, "a charge must move the level"
+    return 1 if after > before else -1

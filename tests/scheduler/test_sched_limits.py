@@ -15,9 +15,9 @@ from extproc.scheduler import (
     Take,
     format_reset,
     ratelimit_headers,
-    retry_after_seconds,
 )
 from extproc.scheduler.limits import adjusted, given_back, refilled, take_all
+from extproc.scheduler.retry_after import after_wait
 
 
 def test_refill_is_continuous_and_capped() -> None:
@@ -68,17 +68,17 @@ def test_format_reset_like_openai(seconds: float, text: str) -> None:
 
 
 def test_retry_after_is_whole_seconds_at_least_one() -> None:
-    assert retry_after_seconds(0.0) == 1
-    assert retry_after_seconds(0.2) == 1
-    assert retry_after_seconds(1.0) == 1
-    assert retry_after_seconds(1.0000001) == 2
-    assert retry_after_seconds(12.0) == 12
+    assert after_wait(0.0) == 1
+    assert after_wait(0.2) == 1
+    assert after_wait(1.0) == 1
+    assert after_wait(1.0000001) == 2
+    assert after_wait(12.0) == 12
 
 
 def test_ratelimit_headers_only_for_existing_limits() -> None:
     rpm = Bucket("r", 60.0, 1.0)
     tpm = Bucket("t", 6000.0, 100.0)
-    both = ratelimit_headers((rpm, 59.0), (tpm, 5400.0))
+    both = ratelimit_headers([("requests", rpm, 59.0), ("tokens", tpm, 5400.0)])
     assert both == {
         "x-ratelimit-limit-requests": "60",
         "x-ratelimit-remaining-requests": "59",
@@ -87,8 +87,8 @@ def test_ratelimit_headers_only_for_existing_limits() -> None:
         "x-ratelimit-remaining-tokens": "5400",
         "x-ratelimit-reset-tokens": "6s",
     }
-    assert ratelimit_headers(None, None) == {}
-    negative = ratelimit_headers(None, (tpm, -50.0))
+    assert ratelimit_headers([]) == {}
+    negative = ratelimit_headers([("tokens", tpm, -50.0)])
     assert negative["x-ratelimit-remaining-tokens"] == "0"
     assert negative["x-ratelimit-reset-tokens"] == "1m0.5s"
 
@@ -114,7 +114,7 @@ def test_memory_store_retry_after_is_exact(
     if first.ok:
         return
     assert first.wait_s is not None
-    retry = retry_after_seconds(first.wait_s)
+    retry = after_wait(first.wait_s)
     if retry > 1:
         assert not store.try_take([Take(bucket, cost)], start + retry - 1).ok
     assert store.try_take([Take(bucket, cost)], start + retry).ok

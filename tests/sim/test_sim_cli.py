@@ -41,6 +41,7 @@ def files(tmp_path: Path) -> tuple[Path, Path]:
     return trace, policy
 
 
+@pytest.mark.plots
 def test_simulate_writes_report_and_plots(
     files: tuple[Path, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

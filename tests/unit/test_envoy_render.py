@@ -1,4 +1,5 @@
-"""The rendered bootstrap passes the real Envoy's validation, and envoy/ stays in sync."""
+"""The rendered bootstrap passes the real Envoy's validation (the `dataplane` tests), and envoy/
+stays in sync."""
 
 from __future__ import annotations
 
@@ -34,6 +35,7 @@ def validate(config: Path) -> subprocess.CompletedProcess[str]:
     )  # fmt: skip
 
 
+@pytest.mark.dataplane
 def test_render_passes_envoy_validate(tmp_path: Path) -> None:
     config = tmp_path / "envoy.json"
     config.write_text(render_bootstrap(policy_from_text(policy_yaml()), RenderOptions()))
@@ -56,12 +58,14 @@ def test_render_holds_requests_long_enough() -> None:
     assert extproc["circuitBreakers"]["thresholds"][0]["maxRequests"] >= 100_000
 
 
+@pytest.mark.dataplane
 def test_invalid_bootstrap_is_refused(tmp_path: Path) -> None:
     config = tmp_path / "broken.json"
     config.write_text(json.dumps({"static_resources": {"clusters": [{"name": 1}]}}))
     assert validate(config).returncode != 0
 
 
+@pytest.mark.dataplane
 @pytest.mark.parametrize(
     ("file", "options"), [("envoy.json", RenderOptions()), ("envoy-compose.json", COMPOSE_OPTIONS)]
 )

@@ -319,6 +319,7 @@ def write_synthetic_texts(root: Path) -> None:
             handle.write(json.dumps({"id": f"a{i}", "turns": turns}, ensure_ascii=False) + "\n")
 
 
+@pytest.mark.plots  # the benchmark writes its PNG
 def test_benchmark_smoke(tmp_path: Path) -> None:
     text_dir, out_dir = tmp_path / "text", tmp_path / "out"
     text_dir.mkdir()

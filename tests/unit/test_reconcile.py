@@ -5,7 +5,7 @@ from __future__ import annotations
 from hypothesis import given
 from hypothesis import strategies as st
 
-from extproc.service.engine_watch import EngineReading, parse_engine_metrics
+from extproc.service.engine_metrics import EngineReading, parse_engine_metrics
 from extproc.service.reconcile import CutShort, EngineLedger, _apportion
 
 ENGINE = "127.0.0.1:8001"
@@ -102,15 +102,15 @@ def test_engine_page_gives_the_token_counters() -> None:
 
 def test_reconciliation_needs_to_be_the_engines_only_client() -> None:
     from extproc.policy import policy_from_text
-    from extproc.service.gateway import Gateway
+    from extproc.service.composition import compose
     from tests.conftest import policy_yaml
 
     policy = policy_from_text(policy_yaml("127.0.0.1:8001", "127.0.0.1:8002"), "policy.yaml")
-    alone = Gateway(policy)
+    alone = compose(policy)
     assert alone.ledger is not None
     assert set(alone.ledger.engines) == {"127.0.0.1:8001", "127.0.0.1:8002"}
     assert alone.state_view()["reconciliation"]["enabled"] is True
     # One of several worker processes: other processes' tokens would land in its books.
-    shared = Gateway(policy, sole_client=False)
+    shared = compose(policy, sole_client=False)
     assert shared.ledger is None
     assert shared.state_view()["reconciliation"] == {"enabled": False}

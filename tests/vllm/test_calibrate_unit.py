@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from gateway_lab.bench import calibrate
+from gateway_lab.bench import calibrate, calibrate_report
 from gateway_lab.bench.calibrate import EngineResult, InterferenceResult, LevelResult, Timing
 
 
@@ -60,9 +60,9 @@ def test_compare_checks_engine_ttft_when_alone_and_client_ttft_under_load() -> N
 def test_saved_results_load_back_with_nan_as_null(tmp_path: Path) -> None:
     result = _result("real", 1.0)
     result.levels[0].engine_ttft_mean_ms = math.nan
-    text = json.dumps(calibrate._no_nan({"real": asdict(result)}))
+    text = json.dumps(calibrate_report.no_nan({"real": asdict(result)}))
     assert "NaN" not in text
-    loaded = calibrate._load_engine(json.loads(text)["real"])
+    loaded = calibrate_report.load_engine(json.loads(text)["real"])
     assert math.isnan(loaded.levels[0].engine_ttft_mean_ms)
     assert loaded.interference == result.interference
 

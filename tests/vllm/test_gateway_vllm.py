@@ -23,7 +23,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from tests.conftest import TEST_KEYS, policy_yaml
 
-pytestmark = pytest.mark.vllm
+pytestmark = [pytest.mark.vllm, pytest.mark.dataplane]  # real vLLM behind the real Envoy
 
 CHATML_OVERHEAD_TOKENS = 8  # <|im_start|>user\n ... <|im_end|>\n<|im_start|>assistant\n
 RATE_LIMITED = "{requests_per_minute: 3, tokens_per_minute: 1000000, max_queued: 8}"

@@ -1,33 +1,31 @@
-"""The one Lua script every shared-state operation runs in (a batch of operations per call).
+-- The one Lua script every shared-state operation runs in (a batch of operations per call).
+--
+-- Redis runs a script atomically, so each operation below is a check-and-reserve with no race
+-- between replicas, and a batch of operations costs one round trip. Time comes from the server's
+-- `TIME` (replicas' clocks never matter); the optional `at` argument overrides it for tests only.
+--
+-- ARGV: [1] key prefix (ends with ":"), [2] JSON array of operations, [3] replica id,
+-- [4] lease ttl (ms), [5] backlog ttl (ms), [6] "" or a time override in seconds (tests).
+-- Reply: a JSON array with one object per operation, in order.
+--
+-- Keys (all under the prefix, all expiring; a missing bucket is a full one):
+--
+--     b:<bucket>            hash  l (level), t (updated at, s)         token bucket
+--     pl:<pool>             zset  request id -> lease expiry (ms)      pool capacity leases
+--     pb:<pool>             hash  request id -> "budget|tenant|owner", _sum = total budget
+--     tl:<tenant>           zset  request id -> lease expiry (ms)      tenant concurrency
+--     lease:<request id>    hash  what settlement needs (tenant, pool, estimates, charges...)
+--     vtc:<pool>:<rank>     hash  tenant -> virtual token counter, _floor
+--     bl:<pool>:<rank>      zset  "tenant|replica" -> expiry (ms)      who waits for the pool
+--     w:<pool>              string, short-lived: someone waits for the pool (events wanted)
+--     epoch                 string, set once per server lifetime (a new one = the data was lost)
+--     ev                    pub/sub channel: "pool|tenant|request id|owner|inflight|tokens"
+--                           when capacity comes back (a release, an expired lease) and someone
+--                           may care: a process waits for the pool, or the lease's owner is
+--                           not the process that released it (it must free its local copy)
+--
+-- Bucket arithmetic is the same as extproc.scheduler.limits (tests compare them).
 
-Redis runs a script atomically, so each operation below is a check-and-reserve with no race
-between replicas, and a batch of operations costs one round trip. Time comes from the server's
-`TIME` (replicas' clocks never matter); the optional `at` argument overrides it for tests only.
-
-ARGV: [1] key prefix (ends with ":"), [2] JSON array of operations, [3] replica id,
-[4] lease ttl (ms), [5] backlog ttl (ms), [6] "" or a time override in seconds (tests).
-Reply: a JSON array with one object per operation, in order.
-
-Keys (all under the prefix, all expiring; a missing bucket is a full one):
-
-    b:<bucket>            hash  l (level), t (updated at, s)         token bucket
-    pl:<pool>             zset  request id -> lease expiry (ms)      pool capacity leases
-    pb:<pool>             hash  request id -> "budget|tenant|owner", _sum = total budget
-    tl:<tenant>           zset  request id -> lease expiry (ms)      tenant concurrency
-    lease:<request id>    hash  what settlement needs (tenant, pool, estimates, charges...)
-    vtc:<pool>:<rank>     hash  tenant -> virtual token counter, _floor
-    bl:<pool>:<rank>      zset  "tenant|replica" -> expiry (ms)      who waits for the pool
-    w:<pool>              string, short-lived: someone waits for the pool (events wanted)
-    epoch                 string, set once per server lifetime (a new one = the data was lost)
-    ev                    pub/sub channel: "pool|tenant|request id|owner|inflight|tokens"
-                          when capacity comes back (a release, an expired lease) and someone
-                          may care: a process waits for the pool, or the lease's owner is
-                          not the process that released it (it must free its local copy)
-
-Bucket arithmetic is the same as `extproc.scheduler.limits` (tests compare them).
-"""
-
-SCRIPT = r"""
 local P = ARGV[1]
 local ops = cjson.decode(ARGV[2])
 local REPLICA = ARGV[3]
@@ -422,4 +420,3 @@ for i, op in ipairs(ops) do
   end
 end
 return cjson.encode(out)
-"""

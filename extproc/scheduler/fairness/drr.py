@@ -1,0 +1,105 @@
+"""Deficit round robin fair share with a token quantum (see extproc.scheduler.fairness.protocol)."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Self
+
+from extproc.policy.model import Fairness
+
+_EPS = 1e-9
+
+
+class DeficitRoundRobin:
+    """DRR with a token quantum: each visit adds quantum * weight to the tenant's deficit; the
+    tenant being visited keeps dispatching while its head's cost <= deficit.
+
+    Visits are computed, not looped: when the current tenant cannot afford its head, `pick`
+    finds in one pass which member would first afford its head going round the ring (members in
+    join order, starting after the current one), and credits every member the quanta of the
+    visits made on the way. A tenant that stops being backlogged loses its positive deficit
+    (credit is not banked) but keeps a negative one (a debt from settlement).
+    """
+
+    name = "drr"
+
+    @classmethod
+    def from_settings(cls, settings: Fairness) -> Self:
+        return cls(settings.quantum)
+
+    def __init__(self, quantum: float) -> None:
+        if quantum <= 0:
+            raise ValueError("quantum must be positive")
+        self.quantum = float(quantum)
+        self._deficit: dict[str, float] = {}
+        self._weight: dict[str, float] = {}
+        self._position: dict[str, int] = {}
+        self._joined = 0
+        self._current: str | None = None
+        self._current_position = 0
+
+    def on_backlogged(self, tenant: str, weight: float) -> None:
+        self._weight[tenant] = weight
+        if tenant in self._position:
+            return
+        self._joined += 1
+        self._position[tenant] = self._joined
+        self._deficit.setdefault(tenant, 0.0)
+
+    def on_idle(self, tenant: str) -> None:
+        if self._position.pop(tenant, None) is None:
+            return
+        self._deficit[tenant] = min(self._deficit.get(tenant, 0.0), 0.0)
+        if self._current == tenant:
+            self._current = None
+
+    def set_weight(self, tenant: str, weight: float) -> None:
+        self._weight[tenant] = weight
+
+    def pick(self, candidates: Sequence[tuple[str, float]]) -> str:
+        deficit = self._deficit
+        current = self._current
+        if current is not None:
+            for tenant, cost in candidates:
+                if tenant == current:
+                    if deficit[tenant] + _EPS >= cost:
+                        return tenant
+                    break
+        marker = self._current_position
+        position = self._position
+        ring = sorted(candidates, key=lambda c: (position[c[0]] <= marker, position[c[0]]))
+        size = len(ring)
+        best = ring[0][0]
+        best_time = math.inf
+        for offset, (tenant, cost) in enumerate(ring, start=1):
+            need = cost - deficit[tenant]
+            grant = self.quantum * self._weight[tenant]
+            visits = 1 if need <= grant + _EPS else math.ceil((need - _EPS) / grant)
+            at = (visits - 1) * size + offset
+            if at < best_time:
+                best, best_time = tenant, at
+        for offset, (tenant, _cost) in enumerate(ring, start=1):
+            if offset <= best_time:
+                visits = 1 + int(best_time - offset) // size
+                deficit[tenant] += visits * self.quantum * self._weight[tenant]
+        self._current = best
+        self._current_position = position[best]
+        return best
+
+    def on_dispatch(self, tenant: str, cost: float) -> None:
+        self._deficit[tenant] = self._deficit.get(tenant, 0.0) - cost
+
+    def charge(self, tenant: str, cost: float) -> None:
+        value = self._deficit.get(tenant, 0.0) - cost
+        if tenant not in self._position:
+            value = min(value, 0.0)
+        self._deficit[tenant] = value
+
+    def level(self, tenant: str) -> float:
+        return self._deficit.get(tenant, 0.0)
+
+    def forget(self, tenant: str) -> None:
+        self.on_idle(tenant)
+        self._deficit.pop(tenant, None)
+        self._weight.pop(tenant, None)

@@ -1,0 +1,53 @@
+"""Token-weighted fair share between the tenants of one band (one tier, one pool).
+
+The scheduler keeps one policy object per (pool, tier) band; a tenant belongs to exactly one tier,
+so the state is effectively per (pool, tenant). "Backlogged" here means: the tenant has queued
+requests for this pool *and* is not held back by its own concurrency limit, i.e. it competes for
+the pool right now. Costs are in token units: `input_weight * input + output_weight * output`.
+
+Every registered policy (extproc.scheduler.fairness.FAIRNESS_POLICIES) has this interface:
+
+* `on_backlogged(tenant, weight)` / `on_idle(tenant)`: membership changes;
+* `pick(candidates)`: the tenant to serve next among `(tenant, head_cost)` pairs (the members
+  whose head request fits the pool now; always non-empty);
+* `on_dispatch(tenant, cost)`: the reserved cost of the request just dispatched;
+* `charge(tenant, cost)`: later corrections, e.g. streamed output above the reservation
+  (positive) or a settlement refund (negative);
+* `level(tenant)`: the counter / deficit, for snapshots;
+* `set_weight(tenant, weight)`, `forget(tenant)`: policy reload;
+* `from_settings(settings)` (a classmethod): a fresh object from the policy file's `fairness`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol, Self
+
+from extproc.policy.model import Fairness
+
+
+class FairnessPolicy(Protocol):
+    name: str
+
+    def on_backlogged(self, tenant: str, weight: float) -> None: ...
+
+    def on_idle(self, tenant: str) -> None: ...
+
+    def set_weight(self, tenant: str, weight: float) -> None: ...
+
+    def pick(self, candidates: Sequence[tuple[str, float]]) -> str: ...
+
+    def on_dispatch(self, tenant: str, cost: float) -> None: ...
+
+    def charge(self, tenant: str, cost: float) -> None: ...
+
+    def level(self, tenant: str) -> float: ...
+
+    def forget(self, tenant: str) -> None: ...
+
+
+class RegisteredFairness(FairnessPolicy, Protocol):
+    """A policy class the registry can build from the policy file's `fairness` settings."""
+
+    @classmethod
+    def from_settings(cls, settings: Fairness) -> Self: ...

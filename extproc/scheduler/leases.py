@@ -1,0 +1,150 @@
+"""Admitted work: taking a queued request into a lease, charging streamed output, settling
+real usage, and freeing the lease's capacity exactly once."""
+
+from __future__ import annotations
+
+from extproc.scheduler.live import Live, below_concurrency
+from extproc.scheduler.pools import PoolState
+from extproc.scheduler.records import LeaseState, PoolUsage, QueueEntry
+from extproc.scheduler.types import Admission, Lease
+
+
+class Leases:
+    def __init__(self, live: Live) -> None:
+        self._live = live
+        self._lease_seq = 0
+
+    def admit(self, pool: PoolState, entry: QueueEntry, now: float) -> Admission:
+        live = self._live
+        ticket = entry.ticket
+        state = live.tenants[ticket.tenant]
+        spec = live.policy.tenants[ticket.tenant]
+        state.queues[pool.name].pop_head()
+        pool.lift_hold_of(state.name)
+        del live.entries[ticket.request_id]
+        state.queued -= 1
+        live.timers.entry_left(entry)
+        budget = ticket.budget
+        pool.capacity.acquire(budget)
+        used = pool.users.setdefault(state.name, PoolUsage())
+        used.requests += 1
+        used.tokens += budget
+        state.inflight += 1
+        state.inflight_tokens += budget
+        cost = live.fair_cost(ticket)
+        state.bands[pool.name].fair.on_dispatch(state.name, cost)
+        self._lease_seq += 1
+        lease = Lease(
+            lease_id=self._lease_seq,
+            request_id=ticket.request_id,
+            tenant=ticket.tenant,
+            pool=pool.name,
+            tier=spec.tier,
+            budget=budget,
+            admitted_at=now,
+            expires_at=now + live.policy.source.gateway.lease_timeout,
+        )
+        reserved = ticket.max_output_tokens if live.reserve_output else 0
+        live.leases[lease.lease_id] = LeaseState(lease, ticket, reserved, cost, entry=entry)
+        live.timers.lease_added(lease.expires_at, lease.lease_id)
+        self._compact_timers()
+        state.dispatches.record(now)
+        state.served_requests += 1
+        state.served_tokens += budget
+        if below_concurrency(state, spec):
+            live.sync(state, pool.name)
+        else:
+            live.sync_all(state)
+        return Admission(ticket, lease, now - entry.enqueued_at, entry.headers)
+
+    def _compact_timers(self) -> None:
+        """Drop timer entries of requests and leases that are gone, once they dominate."""
+        live = self._live
+        timers = live.timers
+        if timers.leases_need_compaction(len(live.leases)):
+            timers.rebuild_leases(
+                (held.lease.expires_at, lease_id) for lease_id, held in live.leases.items()
+            )
+        if timers.entries_need_compaction(len(live.entries)):
+            live.rebuild_entry_timers()
+
+    def charge_output(self, held: LeaseState, tokens: int) -> None:
+        if tokens <= 0:
+            return
+        held.output_seen += tokens
+        extra = held.output_seen - held.charged_output
+        if extra > 0:
+            held.charged_output = held.output_seen
+            cost = self._live.policy.source.fairness.output_weight * extra
+            held.fair_charged += cost
+            band = self._live.band_of(held.lease.tenant, held.lease.pool)
+            if band is not None:
+                band.fair.charge(held.lease.tenant, cost)
+
+    def settle(
+        self, held: LeaseState, actual_in: int | None, actual_out: int | None, now: float
+    ) -> None:
+        """Correct the token buckets and the fair share from the reservation to real usage
+        (a missing actual keeps its estimate)."""
+        ticket = held.ticket
+        in_tokens = ticket.input_tokens if actual_in is None else max(0, actual_in)
+        out_tokens = ticket.max_output_tokens if actual_out is None else max(0, actual_out)
+        fairness = self._live.policy.source.fairness
+        fair_out = max(held.charged_output, held.output_seen) if actual_out is None else out_tokens
+        final = fairness.input_weight * in_tokens + fairness.output_weight * fair_out
+        self.charge_difference(
+            ticket.tenant,
+            held.lease.pool,
+            in_tokens + out_tokens - ticket.budget,
+            final - held.fair_charged,
+            now,
+        )
+
+    def charge_difference(
+        self, tenant: str, pool: str, delta_tokens: int, delta_cost: float, now: float
+    ) -> None:
+        """Move a tenant's served tokens, usage-settled buckets and fair-share counter by what
+        its real usage differs from what was charged."""
+        live = self._live
+        state = live.tenants.get(tenant)
+        if state is not None:
+            state.served_tokens += delta_tokens
+        spec = live.policy.tenant(tenant)
+        if spec is not None:
+            live.limiter.settle(tenant, spec, delta_tokens, now)
+        band = live.band_of(tenant, pool)
+        if band is not None and delta_cost != 0:
+            band.fair.charge(tenant, delta_cost)
+
+    def free(self, held: LeaseState) -> None:
+        live = self._live
+        lease = held.lease
+        state = live.tenants[lease.tenant]
+        spec = live.policy.tenant(lease.tenant)
+        was_blocked = spec is not None and not below_concurrency(state, spec)
+        state.inflight -= 1
+        state.inflight_tokens -= lease.budget
+        pool = live.pools[lease.pool]
+        pool.capacity.release(lease.budget)
+        used = pool.users.get(lease.tenant)
+        if used is not None:
+            used.requests -= 1
+            used.tokens -= lease.budget
+            if used.requests <= 0:
+                del pool.users[lease.tenant]
+        if pool.retired and pool.capacity.inflight == 0:
+            del live.pools[lease.pool]
+        if was_blocked:
+            live.sync_all(state)
+        if spec is None and state.inflight == 0 and state.queued == 0:
+            del live.tenants[lease.tenant]
+
+    def reclaim_expired(self, now: float) -> int:
+        """Free leases past their expiry (their release was lost); returns how many."""
+        count = 0
+        for lease_id in self._live.timers.expired_leases(now):
+            held = self._live.leases.pop(lease_id, None)
+            if held is not None:
+                self.free(held)
+                count += 1
+        return count

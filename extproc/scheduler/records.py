@@ -1,0 +1,61 @@
+"""The scheduler's internal records: queue entries, leases, holds, per-pool usage."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple
+
+from extproc.scheduler.types import Lease, Ticket
+
+
+class OrderKey(NamedTuple):
+    """Tenant order (layer d): priority, then deadline, then arrival, then sequence number."""
+
+    neg_priority: int
+    deadline: float
+    arrival: float
+    seq: int
+
+
+@dataclass(eq=False, slots=True)
+class QueueEntry:
+    ticket: Ticket
+    seq: int
+    key: OrderKey
+    enqueued_at: float
+    expires_at: float
+    headers: dict[str, str]
+    charged: dict[str, float]
+    """What submit took from each rate-limit dimension (by name), refunded if never served."""
+    alive: bool = True
+    bypassed: int = 0
+    """Times a request of another tenant (same or lower tier) went ahead while this one, at
+    the head of its tenant's queue, did not fit the pool's token room."""
+
+
+class Hold(NamedTuple):
+    """A pool held for one tenant's head request (anti-starvation)."""
+
+    rank: int
+    tenant: str
+
+
+@dataclass(slots=True)
+class PoolUsage:
+    """One tenant's admitted work in one pool (for headroom shares)."""
+
+    requests: int = 0
+    tokens: int = 0
+    """Their token budgets."""
+
+
+@dataclass(slots=True)
+class LeaseState:
+    lease: Lease
+    ticket: Ticket
+    charged_output: int
+    """Output tokens already charged to the fair share (the reservation, then what streamed)."""
+    fair_charged: float
+    output_seen: int = 0
+    entry: QueueEntry | None = None
+    """The queue entry it came from, kept so that `requeue` can put it back."""

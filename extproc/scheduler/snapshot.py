@@ -1,0 +1,59 @@
+"""The read-only view of the scheduler's live state, JSON-ready (admin endpoint, tests,
+simulator)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+from extproc.scheduler.live import Live
+
+
+def snapshot(live: Live, now: float, reclaimed_leases: int) -> dict[str, Any]:
+    policy = live.policy
+    tenants: dict[str, Any] = {}
+    names: Iterable[str] = dict.fromkeys([*policy.tenants, *live.tenants])
+    for name in names:
+        spec = policy.tenant(name)
+        state = live.tenants.get(name)
+        item: dict[str, Any] = {
+            "tier": spec.tier if spec is not None else None,
+            "weight": spec.weight if spec is not None else None,
+            "removed": spec is None,
+            "queued": state.queued if state else 0,
+            "inflight": state.inflight if state else 0,
+            "inflight_tokens": state.inflight_tokens if state else 0,
+            "served_requests": state.served_requests if state else 0,
+            "served_tokens": state.served_tokens if state else 0,
+        }
+        if spec is not None:
+            item["buckets"] = live.limiter.levels(name, spec, now)
+            rank = live.rank(spec)
+            item["fair_share"] = {
+                pool_name: pool.bands[rank].fair.level(name)
+                for pool_name, pool in live.pools.items()
+            }
+            item["backlogged_pools"] = sorted(state.bands) if state else []
+        tenants[name] = item
+    pools: dict[str, Any] = {}
+    for name, pool in live.pools.items():
+        held = pool.held
+        pools[name] = {
+            "inflight": pool.capacity.inflight,
+            "inflight_tokens": pool.capacity.inflight_tokens,
+            "queued": sum(live.tenants[t].queues[name].live for t in pool.waiting),
+            **pool.capacity.describe(),
+            "drain_rate": pool.drain.rate(now),
+            "held_for": None
+            if held is None
+            else {"tier": pool.bands[held.rank].tier, "tenant": held.tenant},
+            "retired": pool.retired,
+        }
+    return {
+        "tenants": tenants,
+        "pools": pools,
+        "queued": len(live.entries),
+        "leases": len(live.leases),
+        "reclaimed_leases": reclaimed_leases,
+        "fairness": policy.source.fairness.policy,
+    }

@@ -1,0 +1,85 @@
+"""The noisy-neighbour plot: quiet TTFT per arm, tokens/s, the trade-off curve, engine queues."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+from gateway_lab.bench.figures import pyplot, save_figure
+from gateway_lab.bench.scenario import POOL
+
+TARGET_RATIO = 1.10
+TARGET_THROUGHPUT = 0.95
+
+
+_COLORS = {"alone": "#7f7f7f", "fifo": "#d62728", "bucket": "#ff7f0e", "full": "#2ca02c"}
+
+
+def plot(results: dict[str, dict[str, Any]], summary: dict[str, Any], path: Path) -> None:
+    plt = pyplot()
+    rows = summary["rows"]
+    names = list(results)
+    colors = [_COLORS.get(results[n]["kind"], "#1f77b4") for n in names]
+    fig, axes = plt.subplots(2, 2, figsize=(13, 8.5))
+    ax = axes[0][0]
+    xs = range(len(names))
+    ax.bar([x - 0.2 for x in xs], [rows[n]["quiet_p50_ms"] for n in names], 0.4, label="P50",
+           color=colors, alpha=0.55)  # fmt: skip
+    ax.bar([x + 0.2 for x in xs], [rows[n]["quiet_p99_ms"] for n in names], 0.4, label="P99",
+           color=colors)  # fmt: skip
+    ax.set_yscale("log")
+    ax.set_title("quiet tenant: time to first token (ms; light P50, dark P99)")
+    ax.set_xticks(list(xs), names, rotation=30, ha="right")
+    ax = axes[0][1]
+    flood = [rows[n]["flooder_tok_s"] for n in names]
+    quiet = [rows[n]["quiet_tok_s"] for n in names]
+    ax.bar(list(xs), flood, color=colors, label="flooder")
+    ax.bar(list(xs), quiet, bottom=flood, color="black", label="quiet")
+    fifo = summary["fifo_total_tok_s"]
+    if not math.isnan(fifo):
+        ax.axhline(fifo * TARGET_THROUGHPUT, ls="--", color="black", lw=0.8)
+        ax.text(0, fifo * TARGET_THROUGHPUT, " 95% of FIFO", va="bottom", fontsize=8)
+    ax.set_title("output tokens/s (flooder + quiet)")
+    ax.set_xticks(list(xs), names, rotation=30, ha="right")
+    ax.legend(fontsize=8)
+    ax = axes[1][0]
+    for name in names:
+        row = rows[name]
+        if results[name]["kind"] == "alone" or math.isnan(row["throughput_vs_fifo"]):
+            continue
+        color = _COLORS.get(results[name]["kind"], "#1f77b4")
+        ax.scatter(row["throughput_vs_fifo"] * 100, row["p99_ratio"], color=color, s=40)
+        ax.annotate(name, (row["throughput_vs_fifo"] * 100, row["p99_ratio"]),
+                    fontsize=8, xytext=(4, 4), textcoords="offset points")  # fmt: skip
+    soft = sorted(
+        (rows[n]["throughput_vs_fifo"] * 100, rows[n]["p99_ratio"])
+        for n in names
+        if results[n]["kind"] in ("soft", "full")
+    )
+    if soft:
+        ax.plot([s[0] for s in soft], [s[1] for s in soft], color="#1f77b4", lw=0.8)
+    ax.axhline(TARGET_RATIO, ls="--", color="green", lw=0.8)
+    ax.axvline(TARGET_THROUGHPUT * 100, ls="--", color="green", lw=0.8)
+    ax.set_yscale("log")
+    ax.set_xlabel("total output tokens/s, % of FIFO")
+    ax.set_ylabel("quiet P99 TTFT / alone")
+    ax.set_title("trade-off: the goal is right of 95% and below 1.10x (dashed)")
+    ax = axes[1][1]
+    for name, style in (("full", "-"), ("fifo", ":")):
+        result = results.get(name)
+        if result is None:
+            continue
+        series = result["timeseries"]
+        ts = [s["t"] for s in series]
+        ax.plot(ts, [s["running"] for s in series], style, color="#1f77b4",
+                label=f"{name}: engine running")  # fmt: skip
+        ax.plot(ts, [s["waiting"] for s in series], style, color="#d62728",
+                label=f"{name}: engine waiting")  # fmt: skip
+        if name == "full":
+            ax.plot(ts, [(s.get("limit") or {}).get(POOL) for s in series], style,
+                    color="#2ca02c", label="full: gateway soft limit")  # fmt: skip
+    ax.set_xlabel("seconds")
+    ax.set_title("engine batch and queue over time (full policy vs FIFO)")
+    ax.legend(fontsize=8)
+    save_figure(fig, path)

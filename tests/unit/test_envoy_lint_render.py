@@ -1,0 +1,84 @@
+"""The lint and `extproc envoy render` agree: the lint's reference values are the render's,
+and whatever the render writes passes the lint (but for the checks the render is gaining)."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+from extproc.envoy_config import RenderOptions, render_bootstrap
+from extproc.envoy_lint.lint import lint_file
+from extproc.envoy_lint.reference import reference
+from extproc.envoy_lint.source import Node
+from extproc.envoy_lint.values import seconds
+from extproc.policy import Policy, policy_from_text
+from tests.conftest import policy_yaml
+from tests.unit.test_envoy_lint import PENDING_CHECKS
+
+POLICIES = {
+    "test policy": policy_yaml(),
+    "2 min wait": policy_yaml(acme_limits="{max_queue_wait: 2m}"),
+    "2 h wait (capped)": policy_yaml(acme_limits="{max_queue_wait: 2h}"),
+    "small bodies": policy_yaml(extra="gateway: {max_body_bytes: 65536, message_timeout: 2s}"),
+}
+
+
+def duration(text: str) -> float:
+    value = seconds(Node(text, 1))
+    assert value is not None
+    return value
+
+
+def rendered(policy: Policy, tmp_path: Path) -> tuple[Path, str]:
+    text = render_bootstrap(policy, RenderOptions())
+    path = tmp_path / "envoy.json"
+    path.write_text(text)
+    return path, text
+
+
+@pytest.mark.parametrize("name", sorted(POLICIES))
+def test_reference_values_are_the_renders(name: str, tmp_path: Path) -> None:
+    policy = policy_from_text(POLICIES[name])
+    _, text = rendered(policy, tmp_path)
+    listener = json.loads(text)["staticResources"]["listeners"][0]
+    manager = listener["filterChains"][0]["filters"][0]["typedConfig"]
+    admission = manager["httpFilters"][0]["typedConfig"]
+    ref = reference(policy)
+    assert ref.hold == duration(admission["maxMessageTimeout"])
+    assert ref.hold == duration(admission["grpcService"]["timeout"])
+    assert ref.message_timeout == duration(admission["messageTimeout"])
+    assert ref.idle == duration(manager["streamIdleTimeout"])
+    assert ref.max_body_bytes == listener["perConnectionBufferLimitBytes"]
+    assert ref.pools == tuple(policy.pools)
+
+
+@pytest.mark.parametrize("name", sorted(POLICIES))
+def test_the_render_passes_the_lint(name: str, tmp_path: Path) -> None:
+    policy = policy_from_text(POLICIES[name])
+    path, _ = rendered(policy, tmp_path)
+    findings = lint_file(str(path), reference(policy))
+    assert [f for f in findings if f.check not in PENDING_CHECKS] == []
+
+
+def test_a_render_for_longer_waits_fails_the_lint_of_the_shorter_one(tmp_path: Path) -> None:
+    short = policy_from_text(policy_yaml(acme_limits="{max_queue_wait: 2m}"))
+    long = policy_from_text(policy_yaml(acme_limits="{max_queue_wait: 20m}"))
+    path, _ = rendered(short, tmp_path)
+    findings = lint_file(str(path), reference(long))
+    failed = {(f.check, f.severity) for f in findings if f.check not in PENDING_CHECKS}
+    assert failed == {("message-timeout", "error"), ("stream-idle-timeout", "error")}
+
+
+def test_camel_case_json_points_at_the_broken_line(tmp_path: Path) -> None:
+    policy = policy_from_text(policy_yaml())
+    path, text = rendered(policy, tmp_path)
+    lines = text.splitlines()
+    number = next(i for i, line in enumerate(lines, 1) if '"maxMessageTimeout"' in line)
+    lines[number - 1] = re.sub(r'"[^"]*s"', '"1s"', lines[number - 1])
+    path.write_text("\n".join(lines) + "\n")
+    findings = lint_file(str(path), reference(policy))
+    errors = [f for f in findings if f.check not in PENDING_CHECKS]
+    assert [(f.check, f.line, f.severity) for f in errors] == [("message-timeout", number, "error")]
