@@ -11,7 +11,7 @@ import pytest
 
 from extproc.policy import load_policy
 from extproc.reload import PolicyReloader
-from extproc.service.gateway import Gateway
+from extproc.service.composition import compose
 from tests.adversarial.yaml_bombs import BOMBS
 from tests.conftest import policy_yaml
 
@@ -39,7 +39,7 @@ async def test_bomb_is_refused_off_the_loop(
 ) -> None:
     path = tmp_path / "policy.yaml"
     path.write_text(policy_yaml())
-    gateway = Gateway(load_policy(path))
+    gateway = compose(load_policy(path))
     reloader = PolicyReloader(str(path), gateway.apply_policy, gateway.metrics, interval_s=0)
     reloader.mark_loaded(path.read_text())
     before = gateway.policy
@@ -57,7 +57,7 @@ async def test_bomb_is_refused_off_the_loop(
 async def test_the_watcher_refuses_a_bomb_and_keeps_watching(tmp_path: Path) -> None:
     path = tmp_path / "policy.yaml"
     path.write_text(policy_yaml())
-    gateway = Gateway(load_policy(path))
+    gateway = compose(load_policy(path))
     reloader = PolicyReloader(str(path), gateway.apply_policy, gateway.metrics, interval_s=0.05)
     reloader.mark_loaded(path.read_text())
     reloader.start()
