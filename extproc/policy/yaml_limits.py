@@ -8,6 +8,7 @@ without expanding anything, and a file over a bound is refused before the tree i
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 
 from ruamel.yaml import YAML
@@ -24,6 +25,7 @@ MAX_POLICY_BYTES = 4 * 1024 * 1024
 MAX_ALIASES = 10_000
 MAX_EXPANDED_NODES = 250_000
 MAX_DEPTH = 64
+_BRACKET = re.compile(r"[\[\]{}]")
 
 
 class YamlLimitError(Exception):
@@ -91,9 +93,22 @@ def check_yaml_limits(text: str) -> None:
     left to the real load, which reports them with their own line."""
     if len(text.encode("utf-8")) > MAX_POLICY_BYTES:
         raise YamlLimitError(1, f"the policy file is larger than {MAX_POLICY_BYTES} bytes")
+    _check_flow_depth(text)
     walk = _Walk()
     try:
         for event in YAML(typ="rt").parse(text):
             walk.on_event(event)
     except MarkedYAMLError:
         return
+
+
+def _check_flow_depth(text: str) -> None:
+    """Bracket nesting counted on the raw text, before the YAML scanner sees it: the scanner
+    is quadratic in consecutive open brackets (a few thousand `[` cost seconds). Brackets
+    inside strings count too, which only errs on the safe side."""
+    depth = 0
+    for bracket in _BRACKET.finditer(text):
+        depth = depth + 1 if bracket.group() in "[{" else max(0, depth - 1)
+        if depth > MAX_DEPTH:
+            line = text.count("\n", 0, bracket.start()) + 1
+            raise YamlLimitError(line, f"nested deeper than {MAX_DEPTH} levels")
