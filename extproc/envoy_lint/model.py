@@ -68,6 +68,9 @@ class Route:
     """Sends to a cluster (not a redirect or direct response)."""
     disabled_filters: tuple[Setting[str], ...] = ()
     """Filters the route (or its virtual host) turns off by name."""
+    enabled_filters: tuple[str, ...] = ()
+    """Filters the route (or its virtual host) configures without turning them off: this turns
+    on a filter that is disabled by default."""
 
 
 @dataclass(frozen=True)

@@ -12,8 +12,10 @@ from ruamel.yaml import YAML
 from ruamel.yaml.comments import CommentedMap, CommentedSeq
 from ruamel.yaml.error import MarkedYAMLError
 
+from extproc.policy.hold import envoy_hold_limit, holds_over_limit
 from extproc.policy.keys import is_key_hash
 from extproc.policy.model import PolicyFile
+from extproc.policy.yaml_limits import YamlLimitError, check_yaml_limits
 
 FieldPath = tuple[str | int, ...]
 
@@ -111,11 +113,25 @@ def semantic_issues(policy: PolicyFile) -> list[tuple[FieldPath, str]]:
         found.append((("priority", "min"), "must not exceed priority.max"))
     if not policy.priority.min <= policy.priority.default <= policy.priority.max:
         found.append((("priority", "default"), "must lie within [priority.min, priority.max]"))
+    explicit = policy.gateway.max_message_timeout
+    if explicit is not None:
+        for name, hold in holds_over_limit(policy, envoy_hold_limit(policy)):
+            found.append(
+                (
+                    ("tenants", name, "limits", "max_queue_wait"),
+                    f"a hold of {hold:g}s (max_queue_wait + 5s) exceeds "
+                    f"gateway.max_message_timeout {explicit:g}s",
+                )
+            )
     return found
 
 
 def parse_policy(text: str, file: str = "<policy>") -> PolicyFile:
     """Validate policy text; raise PolicyError with every issue found."""
+    try:
+        check_yaml_limits(text)
+    except YamlLimitError as exc:
+        raise PolicyError([PolicyIssue(file, exc.line, "", exc.message)]) from None
     yaml = YAML(typ="rt")
     try:
         tree = yaml.load(text)
@@ -146,6 +162,13 @@ def parse_policy(text: str, file: str = "<policy>") -> PolicyFile:
             [PolicyIssue(file, _line_of(p, lines), _field_name(p), m) for p, m in problems]
         )
     return policy
+
+
+def issues_at(text: str, file: str, found: list[tuple[FieldPath, str]]) -> list[PolicyIssue]:
+    """Issues about fields of a policy text that `parse_policy` accepted, each at its line."""
+    lines: dict[FieldPath, int] = {}
+    _plain(YAML(typ="rt").load(text), (), lines)
+    return [PolicyIssue(file, _line_of(p, lines), _field_name(p), m) for p, m in found]
 
 
 def load_policy_file(path: str | Path) -> PolicyFile:

@@ -131,6 +131,10 @@ class Gateway(StrictModel):
     default_max_tokens: PositiveInt = 256
     max_body_bytes: PositiveInt = 8 * 1024 * 1024
     message_timeout: Duration = 5.0
+    max_message_timeout: Annotated[Duration, Field(gt=0, le=3600)] | None = None
+    """Envoy's max_message_timeout for the admission filter: the longest hold it honours.
+    Default: the longest max_queue_wait + 30 s (at most 1 h). Set it to render an Envoy that
+    leaves room for reloads with longer queue waits (extproc.policy.hold)."""
     lease_timeout: Duration = 600.0
     trusted_tenant_header: str | None = None
     reconcile_cut_short: bool = True

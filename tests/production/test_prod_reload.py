@@ -9,6 +9,7 @@ import io
 import logging
 import os
 import signal
+import threading
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,12 +20,14 @@ import pytest
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ext_proc_grpc
 from ruamel.yaml import YAML
 
-from extproc.policy import load_policy
+import extproc.reload as reload_module
+from extproc.policy import PolicyFile, load_policy
 from extproc.reload import PolicyReloader
 from extproc.service.composition import compose
 from extproc.service.gateway import Gateway
 from extproc.service.main import JsonFormatter
 from extproc.service.server import start_grpc_server
+from tests.adversarial.yaml_bombs import BILLION_LAUGHS
 from tests.conftest import TEST_KEYS, policy_yaml
 from tests.grpc.test_extproc_stream import (
     EnvoyPeer,
@@ -236,3 +239,71 @@ def test_sighup_and_admin_reload_in_a_running_service(tmp_path: Path) -> None:
     rejected = [e for e in served.log_lines() if e.get("result") == "error"]
     assert rejected and rejected[0]["level"] == "error"
     assert rejected[0]["errors"][0].startswith(f"{policy}:")
+
+
+async def test_reload_beyond_the_running_envoys_hold_limit_is_refused(running: Running) -> None:
+    """The Envoy in front was rendered for waits of 30 s (max_message_timeout 60 s): a longer
+    wait would be held with an override Envoy ignores, and the client would get an empty 504
+    after message_timeout. Refused with file:line:field, the last good policy stays."""
+    assert running.reloader.envoy_hold_limit_s == 60.0
+    longer = edit_policy(running.path.read_text(), {"tenants.acme.limits.max_queue_wait": "2m"})
+    line = next(i for i, text in enumerate(longer.splitlines(), 1) if "max_queue_wait" in text)
+    running.path.write_text(longer)
+    result = running.reloader.reload("test")
+    assert result.result == "error"
+    assert result.errors == (
+        f"{running.path}:{line}: tenants.acme.limits.max_queue_wait: a hold of 125s "
+        "(max_queue_wait + 5s) exceeds the running Envoy's max_message_timeout of 60s: lower "
+        "it, or re-render Envoy with a larger gateway.max_message_timeout and restart it first",
+    )
+    assert reload_count(running.gateway, "error") == 1
+    assert running.gateway.policy.tenants["acme"].limits.max_queue_wait == 30.0
+    within = edit_policy(longer, {"tenants.acme.limits.max_queue_wait": "55s"})
+    running.path.write_text(within)
+    assert running.reloader.reload("test").result == "success"
+    assert running.gateway.policy.tenants["acme"].limits.max_queue_wait == 55.0
+
+
+async def test_bomb_reload_leaves_the_event_loop_serving(running: Running) -> None:
+    """A 254-byte alias bomb blocked the loop for ~19 s; now it is refused with its line,
+    off the loop, while requests keep being admitted."""
+    running.path.write_text(BILLION_LAUGHS)
+    reload = asyncio.create_task(running.reloader.reload_async("test"))
+    tier = await asyncio.wait_for(tier_of_next_request(running.stub, TEST_KEYS["globex"]), 5)
+    result = await asyncio.wait_for(reload, 5)
+    assert tier == "standard"
+    assert result.result == "error"
+    assert result.errors == (
+        f"{running.path}:6: expands to more than 250000 nodes (aliases nest too deep)",
+    )
+    assert running.gateway.policy.tenants["globex"].tier == "standard"
+
+
+async def test_slow_reload_times_out_and_keeps_last_good(
+    running: Running, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Whatever makes reading slow, the reload answers after parse_timeout_s and the loop
+    serves meanwhile."""
+    release = threading.Event()
+    real_parse = reload_module.parse_policy
+
+    def stuck(text: str, file: str = "<policy>") -> PolicyFile:
+        release.wait(10)
+        return real_parse(text, file)
+
+    monkeypatch.setattr(reload_module, "parse_policy", stuck)
+    running.reloader.parse_timeout_s = 0.3
+    running.path.write_text(
+        edit_policy(running.path.read_text(), {"tenants.globex.tier": "premium"})
+    )
+    try:
+        reload = asyncio.create_task(running.reloader.reload_async("test"))
+        tier = await asyncio.wait_for(tier_of_next_request(running.stub, TEST_KEYS["globex"]), 5)
+        result = await asyncio.wait_for(reload, 5)
+    finally:
+        release.set()
+    assert tier == "standard"
+    assert result.result == "error"
+    assert result.errors == (f"{running.path}:1: reading the policy took longer than 0.3s",)
+    assert running.gateway.policy.tenants["globex"].tier == "standard"
+    assert reload_count(running.gateway, "error") == 1

@@ -6,10 +6,16 @@ from __future__ import annotations
 import json
 import subprocess
 from pathlib import Path
+from typing import Any
 
 import pytest
 
-from extproc.envoy_config import RenderOptions, render_bootstrap
+from extproc.envoy_config import (
+    ACCOUNTING_FILTER,
+    ADMISSION_FILTER,
+    RenderOptions,
+    render_bootstrap,
+)
 from extproc.policy import load_policy, policy_from_text
 from gateway_lab.processes import envoy_binary
 from tests.conftest import policy_yaml
@@ -72,3 +78,98 @@ def test_committed_configs_match_render_and_validate(file: str, options: RenderO
 
 def test_no_init_py_in_envoy_folder() -> None:
     assert not (REPO / "envoy" / "__init__.py").exists()
+
+
+def manager_of(bootstrap: dict[str, Any]) -> dict[str, Any]:
+    listener = bootstrap["staticResources"]["listeners"][0]
+    return listener["filterChains"][0]["filters"][0]["typedConfig"]  # type: ignore[no-any-return]
+
+
+def rendered(policy_text: str | None = None) -> dict[str, Any]:
+    policy = policy_from_text(policy_text or policy_yaml())
+    return json.loads(render_bootstrap(policy, RenderOptions()))  # type: ignore[no-any-return]
+
+
+def test_paths_are_normalised_and_encoded_slashes_refused() -> None:
+    manager = manager_of(rendered())
+    assert manager["normalizePath"] is True
+    assert manager["mergeSlashes"] is True
+    assert manager["pathWithEscapedSlashesAction"] == "REJECT_REQUEST"
+
+
+def test_routes_are_an_allowlist() -> None:
+    """Only the inference endpoints (POST) and GET /v1/models reach a pool, each with the
+    admission filter turned on; the last route answers 404 itself."""
+    manager = manager_of(rendered())
+    routes = manager["routeConfig"]["virtualHosts"][0]["routes"]
+    to_pools = [r for r in routes if "route" in r]
+    assert {r["match"].get("path") for r in to_pools} == {
+        "/v1/chat/completions", "/v1/completions", "/v1/models",
+    }  # fmt: skip
+    for route in to_pools:
+        methods = [h for h in route["match"]["headers"] if h["name"] == ":method"]
+        expected = "GET" if route["match"]["path"] == "/v1/models" else "POST"
+        assert methods[0]["stringMatch"]["exact"] == expected
+        assert {ADMISSION_FILTER, ACCOUNTING_FILTER} <= set(route["typedPerFilterConfig"])
+    last = routes[-1]
+    assert last["match"] == {"prefix": "/"} and last["directResponse"]["status"] == 404
+    body = json.loads(last["directResponse"]["body"]["inlineString"])
+    assert set(body["error"]) == {"message", "type", "code", "param"}
+    filters = {f["name"]: f for f in manager["httpFilters"]}
+    # Off unless a route turns them on: no route to a pool may exist without them.
+    assert filters[ADMISSION_FILTER]["disabled"] is True
+    assert filters[ACCOUNTING_FILTER]["disabled"] is True
+
+
+def test_wrong_method_gets_405_with_allow() -> None:
+    routes = manager_of(rendered())["routeConfig"]["virtualHosts"][0]["routes"]
+    answers = {
+        r["match"].get("path"): r
+        for r in routes
+        if r.get("directResponse", {}).get("status") == 405
+    }
+    assert set(answers) == {"/v1/chat/completions", "/v1/completions", "/v1/models"}
+    chat = answers["/v1/chat/completions"]
+    added = {h["header"]["key"]: h["header"]["value"] for h in chat["responseHeadersToAdd"]}
+    assert added == {"content-type": "application/json", "allow": "POST"}
+
+
+def test_local_replies_test_the_response_not_the_request() -> None:
+    """A mapper keyed on the request's content type skipped every client sending JSON."""
+    mappers = manager_of(rendered())["localReplyConfig"]["mappers"]
+    assert "headerFilter" not in json.dumps(mappers)
+    for mapper in mappers:
+        text = json.dumps(mapper["filter"])
+        assert "response.headers['content-type']" in text
+        body = mapper["bodyFormatOverride"]
+        assert body["contentType"] == "application/json"
+        assert set(body["jsonFormat"]["error"]) == {"message", "type", "code", "param"}
+    statuses = {
+        m["filter"]["andFilter"]["filters"][0]["statusCodeFilter"]["comparison"]["value"][
+            "defaultValue"
+        ]
+        for m in mappers
+        if "andFilter" in m["filter"]
+    }
+    assert {400, 404, 405, 413, 429, 500, 502, 503, 504} <= statuses
+    assert "andFilter" not in mappers[-1]["filter"]  # the catch-all for any other status
+
+
+def test_listener_refuses_port_reuse() -> None:
+    listener = rendered()["staticResources"]["listeners"][0]
+    assert listener["enableReusePort"] is False
+
+
+def test_access_log_path_has_no_query_string() -> None:
+    log = manager_of(rendered())["accessLog"][0]["typedConfig"]["logFormat"]
+    assert log["jsonFormat"]["path"] == "%REQ_WITHOUT_QUERY(:PATH)%"
+    assert "%REQ(:PATH)%" not in json.dumps(log)
+
+
+def test_explicit_max_message_timeout_is_rendered() -> None:
+    bootstrap = rendered(policy_yaml(extra="gateway: {max_message_timeout: 10m}"))
+    admission = manager_of(bootstrap)["httpFilters"][0]
+    assert admission["name"] == ADMISSION_FILTER
+    assert admission["typedConfig"]["maxMessageTimeout"] == "600s"
+    assert admission["typedConfig"]["grpcService"]["timeout"] == "600s"
+    assert manager_of(bootstrap)["streamIdleTimeout"] == "630s"

@@ -3,11 +3,14 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
 from extproc.policy import PolicyError, hash_key, load_policy, policy_from_text
+from extproc.policy.yaml_limits import MAX_POLICY_BYTES
+from tests.adversarial.yaml_bombs import BILLION_LAUGHS
 from tests.conftest import TEST_KEYS, policy_yaml
 
 REPO = Path(__file__).resolve().parents[2]
@@ -148,3 +151,43 @@ def test_cli_hash_key_and_schema() -> None:
     schema = json.loads(run_cli("policy", "schema").stdout)
     assert schema["additionalProperties"] is False
     assert {"tiers", "tenants", "pools"} <= set(schema["required"])
+
+
+def test_alias_bomb_is_refused_fast_with_its_line() -> None:
+    """A 254-byte file of nested aliases took 19 s (and GBs) to reject before the bounds."""
+    started = time.monotonic()
+    issues = issues_of(BILLION_LAUGHS)
+    assert time.monotonic() - started < 2.0
+    assert issues == ["p.yaml:6: expands to more than 250000 nodes (aliases nest too deep)"]
+
+
+def test_recursive_alias_and_deep_nesting_are_refused() -> None:
+    assert issues_of("a: &a [1, *a]\n") == ["p.yaml:1: alias *a refers to itself"]
+    deep = "a: " + "[" * 100 + "]" * 100 + "\n"
+    assert issues_of(deep) == ["p.yaml:1: nested deeper than 64 levels"]
+
+
+def test_oversized_policy_file_is_refused() -> None:
+    text = policy_yaml() + "# " + "x" * MAX_POLICY_BYTES + "\n"
+    assert issues_of(text) == [f"p.yaml:1: the policy file is larger than {MAX_POLICY_BYTES} bytes"]
+
+
+def test_ordinary_aliases_still_work() -> None:
+    text = policy_yaml(
+        acme_limits="&shared {requests_per_minute: 60, max_queue_wait: 45s}",
+        globex_limits="*shared",
+    )
+    policy = policy_from_text(text)
+    assert policy.tenants["globex"].limits.max_queue_wait == 45.0
+
+
+def test_hold_above_explicit_max_message_timeout_is_refused() -> None:
+    text = policy_yaml(
+        acme_limits="{max_queue_wait: 2m}", extra="gateway: {max_message_timeout: 60s}"
+    )
+    assert issues_of(text) == [
+        f"p.yaml:{line_of(text, 'max_queue_wait: 2m')}: tenants.acme.limits.max_queue_wait: "
+        "a hold of 125s (max_queue_wait + 5s) exceeds gateway.max_message_timeout 60s"
+    ]
+    fits = policy_yaml(extra="gateway: {max_message_timeout: 60s}")
+    assert policy_from_text(fits).source.gateway.max_message_timeout == 60.0

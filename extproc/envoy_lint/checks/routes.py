@@ -64,8 +64,12 @@ def check_pool_routes(view: View, ref: Reference) -> list[Issue]:
 
 
 def check_skipped_filters(view: View, _: Reference) -> list[Issue]:
-    """An ext_proc filter turned off, for every route or for some: those requests skip it."""
+    """An ext_proc filter turned off for requests that reach a cluster: those skip it.
+
+    A filter disabled by default is fine when every route that forwards turns it on again,
+    and a route that answers itself (direct response) may leave it off."""
     names = {f.name for f in view.ext_procs}
+    forwarding = [r for r in view.routes or [] if r.forwards]
     issues = [
         error(
             f.disabled.line,
@@ -73,9 +77,12 @@ def check_skipped_filters(view: View, _: Reference) -> list[Issue]:
             "remove disabled: true",
         )
         for f in view.filters or []
-        if f.ext_proc is not None and f.disabled is not None and f.disabled.value
+        if f.ext_proc is not None
+        and f.disabled is not None
+        and f.disabled.value
+        and (view.routes is None or any(f.name not in r.enabled_filters for r in forwarding))
     ]
-    for route in view.routes or []:
+    for route in forwarding:
         issues += [
             error(
                 off.line,

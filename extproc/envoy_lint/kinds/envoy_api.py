@@ -134,7 +134,22 @@ def disabled_filters(owner: Node) -> tuple[Setting[str], ...]:
     return tuple(found)
 
 
-def route(entry: Node, host_disabled: tuple[Setting[str], ...] = ()) -> Route:
+def enabled_filters(owner: Node) -> tuple[str, ...]:
+    """Filters that `typed_per_filter_config` configures without `disabled: true`."""
+    configs = owner.get("typed_per_filter_config")
+    found = []
+    for name, config in configs.entries() if configs is not None else []:
+        disabled = config.get("disabled")
+        if disabled is None or not flag(disabled):
+            found.append(str(name))
+    return tuple(found)
+
+
+def route(
+    entry: Node,
+    host_disabled: tuple[Setting[str], ...] = (),
+    host_enabled: tuple[str, ...] = (),
+) -> Route:
     match = entry.get("match")
     headers = match.get("headers") if match is not None else None
     pools = [p for p in (_pool_value(h) for h in headers.items()) if p] if headers else []
@@ -152,6 +167,7 @@ def route(entry: Node, host_disabled: tuple[Setting[str], ...] = ()) -> Route:
         timeout=seconds_setting(timeout),
         forwards=action is not None,
         disabled_filters=host_disabled + disabled_filters(entry),
+        enabled_filters=host_enabled + enabled_filters(entry),
     )
 
 
@@ -160,8 +176,8 @@ def routes(route_config: Node) -> list[Route]:
     found: list[Route] = []
     for host in hosts.items() if hosts is not None else []:
         entries = host.get("routes")
-        off = disabled_filters(host)
-        found += [route(e, off) for e in (entries.items() if entries is not None else [])]
+        off, on = disabled_filters(host), enabled_filters(host)
+        found += [route(e, off, on) for e in (entries.items() if entries is not None else [])]
     return found
 
 
