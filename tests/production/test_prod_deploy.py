@@ -5,6 +5,7 @@ modes, observability mode, timeouts, limits); their Envoy snippets pass `envoy -
 from __future__ import annotations
 
 import copy
+import json
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +16,7 @@ from envoy.extensions.filters.network.http_connection_manager.v3 import (
 from google.protobuf import json_format
 
 from extproc.cli import build_parser
+from extproc.openai_request import INFERENCE_PATHS
 from extproc.policy import parse_policy
 from extproc.types import POOL_HEADER
 from tests.production.static import (
@@ -201,16 +203,26 @@ def test_istio_routes_each_pool_header_to_its_service() -> None:
     policy = configmap_policy()
     services = _pool_services()
     routes = find("istio", "VirtualService")["spec"]["http"]
+    *forwarding, not_found = routes
     matched: dict[str, str] = {}
-    for route in routes:
+    paths: set[str] = set()
+    for route in forwarding:
         destination = route["route"][0]["destination"]
         host = destination["host"].split(".")[0]
         assert services[host] == destination["port"]["number"]
         assert route["timeout"] == "0s"
-        for match in route.get("match", []):
-            matched[match["headers"][POOL_HEADER]["exact"]] = host
+        for match in route["match"]:  # an allowlist: every forwarding route names its paths
+            paths.add(match["uri"]["exact"])
+            if POOL_HEADER in match.get("headers", {}):
+                matched[match["headers"][POOL_HEADER]["exact"]] = host
+            else:  # only GET /v1/models goes without the header the admission filter sets
+                assert match == {"uri": {"exact": "/v1/models"}, "method": {"exact": "GET"}}
     assert matched == {pool: f"vllm-{pool}" for pool in policy.pools}
-    assert "match" not in routes[-1]  # a default route for requests without the header
+    assert paths == {*INFERENCE_PATHS, "/v1/models"}
+    # Everything else is answered at the gateway with an OpenAI-style 404.
+    assert "match" not in not_found and "route" not in not_found
+    assert not_found["directResponse"]["status"] == 404
+    assert json.loads(not_found["directResponse"]["body"]["string"])["error"]["code"] == "not_found"
 
 
 def test_envoy_gateway_extension_policy_matches_the_render() -> None:

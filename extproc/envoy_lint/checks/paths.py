@@ -49,7 +49,7 @@ def check_path_normalisation(view: View, _: Reference) -> list[Issue]:
                 view.line,
                 "this file does not show the HTTP connection manager's path normalisation",
                 "make sure it sets normalize_path: true, merge_slashes: true and "
-                "path_with_escaped_slashes_action: UNESCAPE_AND_REDIRECT",
+                "path_with_escaped_slashes_action: REJECT_REQUEST",
             )
         ]
     issues = _flag(view, manager, "normalize_path", manager.normalize_path)
@@ -61,7 +61,7 @@ def check_path_normalisation(view: View, _: Reference) -> list[Issue]:
                 action.line,
                 f"path_with_escaped_slashes_action is {action.value}: {_BYPASS}",
                 f"set {view.name_of('path_with_escaped_slashes_action')} to "
-                "UNESCAPE_AND_REDIRECT or REJECT_REQUEST",
+                "REJECT_REQUEST (the render's choice) or UNESCAPE_AND_REDIRECT",
             )
         )
     elif action is None and not manager.safe_path_defaults:
@@ -72,7 +72,7 @@ def check_path_normalisation(view: View, _: Reference) -> list[Issue]:
                 "path_with_escaped_slashes_action is not set"
                 + (" (Envoy's default keeps %2F as is)" if view.complete else "")
                 + f": {_BYPASS}",
-                "set path_with_escaped_slashes_action: UNESCAPE_AND_REDIRECT",
+                "set path_with_escaped_slashes_action: REJECT_REQUEST",
             )
         )
     return issues
