@@ -41,6 +41,7 @@ from gateway_lab.bench.figures import pyplot, save_figure
 from gateway_lab.bench.records import percentile
 from gateway_lab.bench.stack import cpu_seconds, free_port
 from gateway_lab.processes import Child, Stack, http_ok, wait_until
+from gateway_lab.progress import Progress
 
 DEFAULT_OUT = Path("results/scaleout")
 TENANTS = ("t0", "t1", "t2", "t3")
@@ -450,6 +451,7 @@ def main(args: argparse.Namespace) -> int:
     out: Path = args.out
     out.mkdir(parents=True, exist_ok=True)
     results: list[dict[str, Any]] = []
+    tracker = Progress("scaleout", len(processes) * len(stores), unit="arms")
     with tempfile.TemporaryDirectory(prefix="extproc-scaleout-") as tmp:
         workdir = Path(tmp)
         with contextlib.ExitStack() as stack:
@@ -458,15 +460,17 @@ def main(args: argparse.Namespace) -> int:
                 try:
                     redis = stack.enter_context(redis_server(workdir))
                 except RuntimeError as error:
-                    print(f"redis arms skipped: {error}", file=sys.stderr)
+                    tracker.note(f"redis arms skipped: {error}")
             for workers in processes:
                 for store in stores:
                     if store == "redis" and redis is None:
                         results.append({"store": store, "processes": workers,
                                         "skipped": "no redis-server"})  # fmt: skip
-                        continue
-                    print(f"[scaleout] {store} x {workers} ...", file=sys.stderr, flush=True)
-                    results.append(run_arm(store, workers, args, workdir, redis))
+                    else:
+                        tracker.phase(f"{store} x {workers}", done=len(results))
+                        results.append(run_arm(store, workers, args, workdir, redis))
+                    tracker.update(len(results))
+    tracker.finish(f"{len(results)} arms")
     meta = {
         "cores": os.cpu_count(),
         "duration_s": args.duration,

@@ -120,3 +120,23 @@ def test_a_terminal_line_is_cut_to_the_terminal_width(monkeypatch: pytest.Monkey
     progress.phase("a phase with a long name " * 4)
     (frame,) = stream.getvalue().split("\r")[1:]
     assert len(frame.removesuffix("\x1b[K")) == 39
+
+
+def test_bench_log_lines_stay_above_the_running_arms_live_line(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from gateway_lab.bench.monitor import CURRENT_ARM, ArmProgress, log
+
+    stream = Terminal()
+    tracker = Progress("tiers", 2, unit="arms", stream=stream, clock=Clock())
+    tracker.phase("arm solo")
+    token = CURRENT_ARM.set(ArmProgress(tracker, 0))
+    try:
+        log("tiers", "arm solo: starting Envoy + service")
+    finally:
+        CURRENT_ARM.reset(token)
+    kept, live = stream.getvalue().split("\n")
+    assert kept.endswith("\r[tiers] arm solo: starting Envoy + service\x1b[K")
+    assert live.startswith("\r[tiers] arm solo  0% 0/2 arms")
+    log("tiers", "no arm running")  # outside a scenario's arm: a plain stderr line
+    assert capsys.readouterr().err == "[tiers] no arm running\n"
