@@ -241,6 +241,8 @@ class Planner:
             throughput=throughput,
         )
 
+        pool_name = f"{role}@{max_model_len} ({profile.max_num_seqs} seqs)"
+
         def passes(n: int) -> bool:
             trial = self.trial(role, requests, profile, n)
             plan.trials.append(trial)
@@ -253,7 +255,6 @@ class Planner:
                 self.progress.update(self.pools_sized, line)
             return trial.feasible
 
-        pool_name = f"{role}@{max_model_len} ({profile.max_num_seqs} seqs)"
         if self.progress is not None:
             self.progress.phase(pool_name, done=self.pools_sized)
         plan.replicas = smallest_passing(passes, estimate, self.config.max_replicas)
