@@ -1,4 +1,5 @@
-# The ext_proc service image (also runs the emulated engines of the compose `cpu` profile).
+# The ext_proc service image; it also runs the emulated engines of the compose `cpu` profile
+# (`extproc engine`, from the gateway_lab package, hence both packages are installed).
 #   docker build -t llm-fair-gateway/extproc .
 # Runs as an unprivileged user; the admin server binds 0.0.0.0 inside the container only
 # (compose publishes nothing of it; Kubernetes probes reach it on the pod IP).
@@ -16,6 +17,7 @@ RUN groupadd --system --gid 10001 extproc \
 WORKDIR /src
 COPY pyproject.toml README.md ./
 COPY extproc ./extproc
+COPY gateway_lab ./gateway_lab
 RUN pip install . && rm -rf /src
 
 # The example policy; mount your own folder over /etc/extproc/policies (a folder, not a file,

@@ -16,6 +16,8 @@ from dataclasses import dataclass, field
 import aiohttp
 import orjson
 
+from gateway_lab.progress import Progress
+
 MODEL = "tiny-llama"
 TOKEN_ID_RANGE = (1_000, 100_000)  # ordinary cl100k ids; specials start at 100,256
 REQUEST_TIMEOUT_S = 300.0
@@ -316,11 +318,14 @@ async def measure(targets: Sequence[Target], work: Workload) -> list[EngineResul
     for target in targets:
         async with _session() as session:
             await _warm_up(session, target.url, work, rngs[target.engine])
+    tracker = Progress("calibrate", work.rounds * len(targets), unit="engine rounds")
     for index in range(work.rounds):
         order = list(targets) if index % 2 == 0 else list(reversed(targets))
-        for target in order:
+        for position, target in enumerate(order):
+            done = index * len(targets) + position
+            tracker.phase(f"round {index + 1}/{work.rounds}: {target.engine}", done=done)
             await _round(target.url, work, rngs[target.engine], samples[target.engine])
-        print(f"  round {index + 1}/{work.rounds} done", flush=True)
+    tracker.finish(f"{work.rounds} rounds")
     results = []
     for target in targets:
         result = samples[target.engine].result(target.engine, target.description)

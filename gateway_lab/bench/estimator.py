@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import gzip
+import io
 import json
 import random
 import statistics
@@ -37,6 +38,7 @@ from extproc.estimation import CATEGORIES, TokenEstimator
 from extproc.openai_request import CHAT_PATH, PromptParts, parse_inference_request
 from extproc.policy.model import Estimation
 from gateway_lab.bench.figures import pyplot, save_figure
+from gateway_lab.progress import Progress
 
 MODES = ("flat", "prior", "calibrated", "conservative", "tiktoken")
 GROUPS = ("code", "prose", "chat", "json", "cjk")
@@ -263,8 +265,13 @@ def run(
     requests = load_requests(Path(text_dir), rng)
     if not requests:
         raise FileNotFoundError(f"no known text files in {text_dir}")
-    for request in requests:
+    # Steps: counting the truth, training, then one per mode's estimates.
+    sink = io.StringIO() if quiet else None
+    tracker = Progress("estimator", 2 + len(MODES), unit="steps", stream=sink)
+    tracker.phase(f"true token counts of {len(requests)} requests")
+    for index, request in enumerate(requests):
         request.truth = true_prompt_tokens(request.body, encoding.encode_ordinary)
+        tracker.update((index + 1) / len(requests))
     train, test = _split(requests)
     rng.shuffle(train)  # one mixed stream of traffic, as the service would see it
 
@@ -275,6 +282,7 @@ def run(
         "conservative": TokenEstimator(settings, conservative=True),
         "tiktoken": TokenEstimator(settings, mode="tiktoken"),
     }
+    tracker.phase(f"training on {len(train)} requests", done=1)
     for request in train:
         for estimator in estimators.values():
             estimator.observe(request.prompt, request.truth)
@@ -292,7 +300,8 @@ def run(
         }
         for r in test
     ]
-    for mode, estimator in estimators.items():
+    for index, (mode, estimator) in enumerate(estimators.items()):
+        tracker.phase(f"estimating {len(test)} requests: {mode}", done=2 + index)
         started = time.perf_counter()
         estimates = [estimator.estimate_prompt(r.prompt) for r in test]
         cost_us[mode] = (time.perf_counter() - started) / len(test) * 1e6
@@ -302,6 +311,7 @@ def run(
             for key in dict.fromkeys((request.group, request.source, "all")):
                 errors[mode].setdefault(key, []).append(error)
 
+    tracker.finish()
     keys = [g for g in GROUPS if g in errors["flat"]]
     keys += sorted(k for k in errors["flat"] if k not in GROUPS and k != "all" and k not in keys)
     keys.append("all")

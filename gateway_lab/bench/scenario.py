@@ -26,9 +26,17 @@ import orjson
 
 from gateway_lab.bench.capacity import CapacityConfig
 from gateway_lab.bench.loadgen import Load, closed_loop, open_loop
-from gateway_lab.bench.monitor import Monitor, log, progress, wait_engines_idle
+from gateway_lab.bench.monitor import (
+    CURRENT_ARM,
+    ArmProgress,
+    Monitor,
+    log,
+    progress,
+    wait_engines_idle,
+)
 from gateway_lab.bench.records import Spec, prompt_text
 from gateway_lab.bench.stack import EngineSet, Gateway, engine_set, gateway_stack
+from gateway_lab.progress import Progress
 
 POOL = "main"
 PATHS = {"direct": "straight", "service": "extproc"}
@@ -73,9 +81,17 @@ def run_scenario(
     began = time.perf_counter()
     results: Results = {}
     log(name, f"{len(arms)} arms, {timing.measure_s:.0f}s measured each; profile {profile}")
+    tracker = Progress(name, len(arms), unit="arms")
     with engine_set(workdir / "engines", {POOL: 1}, profile) as engines:
-        for arm in arms:
-            results[arm.name] = run_arm(arm, engines, results)
+        for index, arm in enumerate(arms):
+            tracker.phase(f"arm {arm.name}", done=index)
+            token = CURRENT_ARM.set(ArmProgress(tracker, index))
+            try:
+                results[arm.name] = run_arm(arm, engines, results)
+            finally:
+                CURRENT_ARM.reset(token)
+            tracker.update(index + 1)
+    tracker.finish(f"{len(arms)} arms")
     conclusion = conclude(results)
     report: dict[str, Any] = {
         "scenario": name,

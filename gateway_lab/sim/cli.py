@@ -16,6 +16,7 @@ from typing import Any
 
 from extproc.policy import PolicyError, load_policy
 from extproc.policy.runtime import Policy
+from gateway_lab.progress import Progress
 from gateway_lab.sim.arguments import DEFAULT_PROFILE, add_arguments
 from gateway_lab.sim.fleet import (
     PoolEngines,
@@ -25,7 +26,7 @@ from gateway_lab.sim.fleet import (
     profile_for_context,
     resolve_profile,
 )
-from gateway_lab.sim.simulator import MaxTokens, SimResult
+from gateway_lab.sim.simulator import MaxTokens, ProgressHook, SimResult
 from gateway_lab.sim.slo import Slo
 from gateway_lab.sim.trace import TraceError, TraceRequest, read_trace, shape_trace
 
@@ -206,9 +207,18 @@ def _opt(value: float | None) -> str:
     return "" if value is None else f"{value:.6f}"
 
 
+def _progress_hook(tracker: Progress, horizon: float) -> ProgressHook:
+    """The simulator's hook, shown as requests resolved (with an ETA) and simulated time."""
+    tracker.phase(f"{tracker.total:.0f} requests arriving over {horizon:.0f}s")
+
+    def hook(sim_time: float, resolved: int, _total: int) -> None:
+        tracker.update(resolved, f"t={sim_time:.0f}/{horizon:.0f}s")
+
+    return hook
+
+
 def _simulate(args: argparse.Namespace) -> int:
     from gateway_lab.sim.output import format_report, write_json
-    from gateway_lab.sim.progress import ProgressLine
     from gateway_lab.sim.simulator import SimConfig, simulate
     from gateway_lab.sim.stats import report
 
@@ -224,7 +234,7 @@ def _simulate(args: argparse.Namespace) -> int:
             print(note, file=sys.stderr)
     if not requests:
         raise UsageError("the workload has no requests")
-    progress = None if args.quiet else ProgressLine("simulate", requests[-1].at)
+    tracker = None if args.quiet else Progress("simulate", len(requests), unit="requests")
     config = SimConfig(
         policy=policy,
         fleet=fleet,
@@ -232,9 +242,10 @@ def _simulate(args: argparse.Namespace) -> int:
         max_tokens=_max_tokens(args.max_tokens),
         balance=args.balance,
     )
-    result = simulate(requests, config, progress)
-    if progress is not None:
-        progress.done()
+    hook = None if tracker is None else _progress_hook(tracker, requests[-1].at)
+    result = simulate(requests, config, hook)
+    if tracker is not None:
+        tracker.finish(f"{result.end_time:.0f}s simulated")
     data = report(result)
     data["config"] = {
         **_workload_settings(args),
@@ -322,11 +333,16 @@ def _plan(args: argparse.Namespace) -> int:
         balance=args.balance,
     )
 
-    def log(line: str) -> None:
-        if not args.quiet:
-            print(line, file=sys.stderr, flush=True)
+    # The total is the number of pools to size, which the planner sets once it knows it.
+    tracker = None if args.quiet else Progress("plan", 1, unit="pools")
 
-    result = plan_capacity(requests, config, log)
+    def log(line: str) -> None:
+        if tracker is not None:
+            tracker.note(line)
+
+    result = plan_capacity(requests, config, log, tracker)
+    if tracker is not None:
+        tracker.finish(f"{tracker.total:.0f} pools sized")
     data = plan_to_dict(result)
     data["workload"] = _workload_settings(args)
     out = Path(args.out)

@@ -29,6 +29,7 @@ from typing import Any
 from extproc.policy.model import Gateway
 from extproc.policy.runtime import Policy
 from gateway_lab.engine.profiles import EngineProfile
+from gateway_lab.progress import Progress
 from gateway_lab.sim.fleet import PoolEngines, derived_pool, profile_for_context
 from gateway_lab.sim.planning_policy import planning_policy
 from gateway_lab.sim.replicas import Balance
@@ -157,7 +158,13 @@ def next_power_of_two(n: int) -> int:
 
 
 class Planner:
-    def __init__(self, requests: Sequence[TraceRequest], config: PlanConfig, log: Log) -> None:
+    def __init__(
+        self,
+        requests: Sequence[TraceRequest],
+        config: PlanConfig,
+        log: Log,
+        progress: Progress | None = None,
+    ) -> None:
         if not requests:
             raise ValueError("no requests to plan for")
         self.requests = [
@@ -165,6 +172,8 @@ class Planner:
         ]
         self.config = config
         self.log = log
+        self.progress = progress
+        self.pools_sized = 0
         default = (config.policy.source.gateway if config.policy else Gateway()).default_max_tokens
         self.budgets = [
             r.input_tokens + engine_output(r, config.max_tokens, default)[0] for r in self.requests
@@ -232,19 +241,34 @@ class Planner:
             throughput=throughput,
         )
 
+        pool_name = f"{role}@{max_model_len} ({profile.max_num_seqs} seqs)"
+
         def passes(n: int) -> bool:
             trial = self.trial(role, requests, profile, n)
             plan.trials.append(trial)
             verdict = "meets" if trial.feasible else "misses"
             share = "stopped early" if trial.attainment is None else f"{trial.attainment:.4f}"
-            self.log(
-                f"[plan] {role}@{max_model_len} ({profile.max_num_seqs} seqs): {n} replicas "
-                f"{verdict} the SLO ({share}, {trial.wall_s:.1f}s)"
-            )
+            line = f"{n} replicas {verdict} the SLO ({share}, {trial.wall_s:.1f}s)"
+            if self.progress is None:
+                self.log(f"[plan] {pool_name}: {line}")
+            else:  # the live line's detail: a pipe gets the phases only
+                self.progress.update(self.pools_sized, line)
             return trial.feasible
 
+        if self.progress is not None:
+            self.progress.phase(pool_name, done=self.pools_sized)
         plan.replicas = smallest_passing(passes, estimate, self.config.max_replicas)
+        self.pools_sized += 1
         return plan
+
+    def pools_to_size(self, long_context: int) -> int:
+        """How many pools `run` sizes: the homogeneous one, then each split's one or two."""
+        count = 1
+        for threshold in sorted(set(self.config.thresholds)):
+            short = sum(b <= threshold for b in self.budgets)
+            if threshold < long_context and short:
+                count += 2 if short < len(self.budgets) else 1
+        return count
 
     def run(self) -> PlanResult:
         started = time.perf_counter()
@@ -255,6 +279,8 @@ class Planner:
             raise ValueError(
                 f"a request needs {longest} tokens, more than the long context {long_context}"
             )
+        if self.progress is not None:
+            self.progress.total = self.pools_to_size(long_context)
         homogeneous = self.size_pool("homogeneous", self.requests, long_context)
         homogeneous_profile = self.profile(long_context)
         splits: list[SplitPlan] = []
@@ -310,7 +336,11 @@ class Planner:
 
 
 def plan_capacity(
-    requests: Sequence[TraceRequest], config: PlanConfig, log: Log | None = None
+    requests: Sequence[TraceRequest],
+    config: PlanConfig,
+    log: Log | None = None,
+    progress: Progress | None = None,
 ) -> PlanResult:
-    """Size a homogeneous fleet and a short + long split for each threshold (see module doc)."""
-    return Planner(requests, config, log or (lambda _line: None)).run()
+    """Size a homogeneous fleet and a short + long split for each threshold (see module doc).
+    With `progress`, each pool sized is a phase and its trials go to the live line, not `log`."""
+    return Planner(requests, config, log or (lambda _line: None), progress).run()

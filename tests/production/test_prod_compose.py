@@ -1,16 +1,25 @@
 """docker-compose.yml, the Dockerfile and the Prometheus config, checked statically (no Docker
 engine here): the files parse, every mounted host file exists, the mounted Envoy config passes
-`envoy --mode validate`, and names and ports agree across compose, Envoy and Prometheus."""
+`envoy --mode validate`, and names and ports agree across compose, Envoy and Prometheus.
+
+Profiles are resolved as `docker compose config` does (Debian's docker-compose is v1, which
+cannot read this Compose Spec file): with no --profile flag, COMPOSE_PROFILES from .env; a
+--profile flag replaces that list. Where a Compose v2 client exists, its answer is compared."""
 
 from __future__ import annotations
 
 import json
+import os
 import re
 import shlex
+import shutil
+import subprocess
+import tomllib
 from pathlib import Path
 from typing import Any
 
 import pytest
+from setuptools import find_packages
 
 from extproc.cli import build_parser
 from extproc.policy import load_policy
@@ -26,7 +35,38 @@ from tests.production.static import (
 )
 from tests.production.support import REPO
 
-PROFILES = ("gpu", "cpu")
+# What `docker compose [--profile P] ...` is given: () is plain `docker compose up`.
+SELECTIONS = {"default": (), "gpu": ("gpu",), "cpu": ("cpu",)}
+MONITORING = {"prometheus", "grafana"}
+EMULATED = {"engine-short", "engine-long"}
+VLLM = {"vllm-short", "vllm-long"}
+
+
+def dotenv() -> dict[str, str]:
+    """The project folder's .env as compose reads it (KEY=VALUE lines, # comments)."""
+    values = {}
+    for line in (REPO / ".env").read_text().splitlines():
+        line = line.strip()
+        if line and not line.startswith("#"):
+            key, _, value = line.partition("=")
+            values[key.strip()] = value.strip().strip("'\"")
+    return values
+
+
+def profiles_of(selection: str) -> set[str]:
+    """The active profiles: the --profile flags, else COMPOSE_PROFILES from .env."""
+    flags = SELECTIONS[selection]
+    if flags:
+        return set(flags)
+    return {p.strip() for p in dotenv().get("COMPOSE_PROFILES", "").split(",") if p.strip()}
+
+
+def enabled(selection: str) -> set[str]:
+    return {
+        name
+        for name, service in compose()["services"].items()
+        if active(service, profiles_of(selection))
+    }
 
 
 def compose() -> dict[str, Any]:
@@ -58,9 +98,9 @@ def envoy_admin() -> tuple[str, int]:
     return host, int(port)
 
 
-def active(service: dict[str, Any], profile: str) -> bool:
-    profiles = service.get("profiles")
-    return not profiles or profile in profiles
+def active(service: dict[str, Any], profiles: set[str]) -> bool:
+    own = service.get("profiles")
+    return not own or bool(profiles & set(own))
 
 
 def names_of(name: str, service: dict[str, Any]) -> set[str]:
@@ -101,14 +141,13 @@ def listen_ports(name: str, service: dict[str, Any]) -> set[int]:
     return ports
 
 
-def resolve(host: str, port: int, profile: str) -> list[str]:
-    """Services of `profile` that answer to host:port."""
+def resolve(host: str, port: int, selection: str) -> list[str]:
+    """Services enabled by `selection` that answer to host:port."""
+    services = compose()["services"]
     return [
         name
-        for name, service in compose()["services"].items()
-        if active(service, profile)
-        and host in names_of(name, service)
-        and port in listen_ports(name, service)
+        for name in sorted(enabled(selection))
+        if host in names_of(name, services[name]) and port in listen_ports(name, services[name])
     ]
 
 
@@ -156,6 +195,70 @@ def test_compose_parses_with_the_expected_services() -> None:
         assert command_of(services[name])[0] == "engine"
 
 
+def test_plain_up_runs_emulated_engines_and_the_gpu_profile_runs_vllm() -> None:
+    core = {"envoy", "extproc"} | MONITORING
+    assert enabled("default") == core | EMULATED
+    assert enabled("gpu") == core | VLLM  # the flag replaces .env's list: no emulated engines
+    assert enabled("cpu") == enabled("default")
+
+
+@pytest.mark.parametrize("selection", SELECTIONS)
+def test_dependencies_exist_and_required_ones_are_enabled(selection: str) -> None:
+    services = compose()["services"]
+    running = enabled(selection)
+    for name in sorted(running):
+        depends = services[name].get("depends_on") or {}
+        targets = depends if isinstance(depends, dict) else {key: {} for key in depends}
+        for target, condition in targets.items():
+            assert target in services, f"{name} depends on undefined service {target}"
+            required = (condition or {}).get("required", True)
+            if required:
+                assert target in running, f"{selection}: {name} needs {target}, not enabled"
+            wanted = (condition or {}).get("condition")
+            # extproc's healthcheck is its image's HEALTHCHECK (the Dockerfile test).
+            if wanted == "service_healthy" and target in running and target != "extproc":
+                assert "healthcheck" in services[target], (
+                    f"{name} waits for {target} to be healthy but it has no healthcheck"
+                )
+
+
+def test_envoy_mounts_the_config_its_command_loads() -> None:
+    envoy = compose()["services"]["envoy"]
+    config = command_of(envoy)[command_of(envoy).index("-c") + 1]
+    mounts = dict((target, source) for source, target in bind_mounts(envoy))
+    assert config in mounts, f"envoy loads {config}, which is not mounted"
+    assert REPO / mounts[config] == ENVOY_COMPOSE
+
+
+def _compose_v2() -> list[str] | None:
+    """`docker compose` (v2) if this machine has it; Debian's v1 cannot read this file."""
+    docker = shutil.which("docker")
+    if docker is None:
+        return None
+    try:
+        found = subprocess.run(
+            [docker, "compose", "version"], capture_output=True, timeout=30, check=False
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return [docker, "compose"] if found.returncode == 0 else None
+
+
+@pytest.mark.parametrize("selection", SELECTIONS)
+def test_docker_compose_config_agrees_where_compose_v2_exists(selection: str) -> None:
+    client = _compose_v2()
+    if client is None:
+        pytest.skip("no Docker Compose v2 client here: the static checks above stand in for it")
+    flags = [arg for profile in SELECTIONS[selection] for arg in ("--profile", profile)]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("COMPOSE_")}
+    result = subprocess.run(
+        [*client, "--project-directory", str(REPO), *flags, "config", "--services"],
+        capture_output=True, text=True, timeout=60, check=False, env=env,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert set(result.stdout.split()) == enabled(selection)
+
+
 def test_every_mount_exists_and_named_volumes_are_declared() -> None:
     data = compose()
     declared = set(data.get("volumes") or {})
@@ -178,12 +281,12 @@ def test_mounted_envoy_config_passes_envoy_validate(tmp_path: Path) -> None:
     assert result.returncode == 0, result.stdout + result.stderr
 
 
-@pytest.mark.parametrize("profile", PROFILES)
-def test_every_envoy_cluster_endpoint_is_a_compose_service(profile: str) -> None:
+@pytest.mark.parametrize("selection", SELECTIONS)
+def test_every_envoy_cluster_endpoint_is_a_compose_service(selection: str) -> None:
     for cluster, host, port in envoy_endpoints():
-        answering = resolve(host, port, profile)
+        answering = resolve(host, port, selection)
         assert len(answering) == 1, (
-            f"profile {profile}: cluster {cluster} -> {host}:{port} is served by {answering}"
+            f"{selection}: cluster {cluster} -> {host}:{port} is served by {answering}"
         )
     # The listener is what the compose file publishes.
     listener = envoy_config()["staticResources"]["listeners"][0]["address"]["socketAddress"]
@@ -192,12 +295,12 @@ def test_every_envoy_cluster_endpoint_is_a_compose_service(profile: str) -> None
     assert listener["address"] == "0.0.0.0"
 
 
-@pytest.mark.parametrize("profile", PROFILES)
-def test_every_prometheus_target_is_a_compose_service(profile: str) -> None:
+@pytest.mark.parametrize("selection", SELECTIONS)
+def test_every_prometheus_target_is_a_compose_service(selection: str) -> None:
     jobs = set()
     for job, host, port in prometheus_targets():
-        answering = resolve(host, int(port), profile)
-        assert len(answering) == 1, f"profile {profile}: {job} {host}:{port} -> {answering}"
+        answering = resolve(host, int(port), selection)
+        assert len(answering) == 1, f"{selection}: {job} {host}:{port} -> {answering}"
         jobs.add(job)
     assert jobs == {"extproc", "envoy", "engines"}
 
@@ -268,7 +371,7 @@ def test_grafana_mounts_provisioning_and_dashboards() -> None:
         "datasources"
     ][0]
     host, _, port = datasource["url"].removeprefix("http://").partition(":")
-    assert resolve(host, int(port), "cpu") == ["prometheus"]
+    assert resolve(host, int(port), "default") == ["prometheus"]
 
 
 def _dockerfile() -> list[tuple[str, str]]:
@@ -297,7 +400,65 @@ def test_dockerfile_is_slim_non_root_with_a_healthcheck() -> None:
     args = build_parser().parse_args(cmd)
     assert f":{port_of(args.admin)}/healthz" in health
     ignore = (REPO / ".dockerignore").read_text().split()
-    for needed in ("!pyproject.toml", "!README.md", "!extproc/", "!policies/"):
+    for needed in ("!pyproject.toml", "!README.md", "!extproc/", "!gateway_lab/", "!policies/"):
         assert needed in ignore
     uid = users[-1].split(":")[0]
     assert f"--uid {uid}" in " ".join(rest for op, rest in steps if op == "RUN")
+
+
+def _build_context(into: Path) -> Path:
+    """The folder the Dockerfile's `pip install .` runs in: the files .dockerignore lets into
+    the context (its `!` lines; caches out), copied by the COPY steps before that RUN."""
+    text = (REPO / ".dockerignore").read_text().splitlines()
+    lines = [line.strip() for line in text if line.strip() and not line.startswith("#")]
+    assert lines[0] == "**", "the context is an allowlist: ** first, then ! entries"
+    allowed = [line[1:].rstrip("/") for line in lines if line.startswith("!")]
+    workdir = Path("/")
+    for op, rest in _dockerfile():
+        if op == "WORKDIR":
+            workdir = Path(rest)
+        elif op == "COPY":
+            *sources, dest = rest.split()
+            target = into / (workdir / dest).relative_to("/")
+            for source in sources:
+                assert source in allowed, f"COPY {source}: .dockerignore keeps it out"
+                origin = REPO / source
+                if origin.is_dir():
+                    shutil.copytree(
+                        origin, target, dirs_exist_ok=True,
+                        ignore=shutil.ignore_patterns("__pycache__", "*.pyc"),
+                    )  # fmt: skip
+                else:
+                    target.mkdir(parents=True, exist_ok=True)
+                    shutil.copy2(origin, target / origin.name)
+        elif op == "RUN" and re.search(r"pip install (\S+ )*\.(\s|$)", rest):
+            return into / workdir.relative_to("/")
+    raise AssertionError("no `pip install .` in the Dockerfile")
+
+
+def test_the_image_installs_both_packages_with_the_lab_commands(tmp_path: Path) -> None:
+    """The image runs `extproc serve` and, in compose, `extproc engine` (gateway_lab): its
+    `pip install .` must see every package setuptools finds in the checkout, their package
+    data and the modules the entry points name."""
+    context = _build_context(tmp_path / "root")
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())
+    setuptools_config = project["tool"]["setuptools"]
+    include = setuptools_config["packages"]["find"]["include"]
+    in_checkout = set(find_packages(str(REPO), include=include))
+    assert {"extproc", "gateway_lab", "gateway_lab.engine"} <= in_checkout
+    assert set(find_packages(str(context), include=include)) == in_checkout
+    for package in in_checkout:
+        folder = package.replace(".", "/")
+        modules = {p.name for p in (REPO / folder).glob("*.py")}
+        copied = {p.name for p in (context / folder).glob("*.py")}
+        assert modules == copied, f"{package}: missing from the image: {modules - copied}"
+    for package, patterns in setuptools_config["package-data"].items():
+        for pattern in patterns:
+            assert list((context / package).glob(pattern)), f"{package}/{pattern} not copied"
+    entry_points = [project["project"]["scripts"]["extproc"]]
+    for group in project["project"]["entry-points"].values():
+        entry_points.extend(group.values())
+    assert "gateway_lab.cli:register" in entry_points
+    for entry_point in entry_points:
+        module = entry_point.partition(":")[0].replace(".", "/")
+        assert (context / f"{module}.py").is_file(), f"{entry_point}: not in the image"

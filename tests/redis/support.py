@@ -55,10 +55,6 @@ async def await_for(check: Callable[[], bool], timeout: float, what: str) -> Non
 # -- redis-server ----------------------------------------------------------------------------------
 
 
-def redis_binary() -> str | None:
-    return shutil.which("redis-server")
-
-
 def redis_ping(port: int, timeout: float = 0.2) -> bool:
     try:
         with socket.create_connection(("127.0.0.1", port), timeout=timeout) as sock:
