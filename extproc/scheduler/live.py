@@ -142,6 +142,9 @@ class Live:
             state.arrivals.append(entry)
         self.entries[ticket.request_id] = entry
         self.timers.entry_queued(entry)
+        pool = self.pools.get(ticket.pool)
+        if pool is not None:
+            pool.budget_queued(entry, len(self.entries))
         return state
 
     def remove(self, entry: QueueEntry, now: float, *, refund: bool) -> None:

@@ -3,11 +3,13 @@ its drain rate, and who waits for it or uses it."""
 
 from __future__ import annotations
 
+from heapq import heapify, heappop, heappush
+
 from extproc.policy.model import Fairness
 from extproc.scheduler.capacity import Capacity
 from extproc.scheduler.fairness import FairnessPolicy, fairness_from_settings
 from extproc.scheduler.rates import DecayingRate
-from extproc.scheduler.records import Hold, PoolUsage
+from extproc.scheduler.records import Hold, PoolUsage, QueueEntry
 
 
 class Band:
@@ -27,7 +29,18 @@ def new_bands(tiers: list[str], fairness: Fairness) -> list[Band]:
 
 
 class PoolState:
-    __slots__ = ("bands", "capacity", "drain", "held", "name", "retired", "users", "waiting")
+    __slots__ = (
+        "_budget_pushes",
+        "_budgets",
+        "bands",
+        "capacity",
+        "drain",
+        "held",
+        "name",
+        "retired",
+        "users",
+        "waiting",
+    )
 
     def __init__(self, name: str, capacity: Capacity, bands: list[Band], drain: DecayingRate):
         self.name = name
@@ -40,6 +53,24 @@ class PoolState:
         """Tenants with queued requests for this pool (backlogged or not)."""
         self.users: dict[str, PoolUsage] = {}
         """Tenants with admitted requests in this pool (for headroom shares)."""
+        self._budgets: list[tuple[int, int, QueueEntry]] = []
+        """(-budget, push number, entry) of entries queued here: a max-heap, lazy deletion."""
+        self._budget_pushes = 0
+
+    def budget_queued(self, entry: QueueEntry, live_entries: int) -> None:
+        """Track a newly queued entry's budget; `live_entries` bounds how many are alive."""
+        self._budget_pushes += 1
+        heappush(self._budgets, (-entry.ticket.budget, self._budget_pushes, entry))
+        if len(self._budgets) > 2 * live_entries + 64:
+            self._budgets = [item for item in self._budgets if item[2].alive]
+            heapify(self._budgets)
+
+    def largest_queued_budget(self) -> int:
+        """The largest token budget of a request queued for this pool (0: none)."""
+        heap = self._budgets
+        while heap and not heap[0][2].alive:
+            heappop(heap)
+        return -heap[0][0] if heap else 0
 
     def lift_hold_of(self, tenant: str) -> None:
         if self.held is not None and self.held.tenant == tenant:
