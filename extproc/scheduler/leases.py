@@ -26,7 +26,9 @@ class Leases:
         live.timers.entry_left(entry)
         budget = ticket.budget
         pool.capacity.acquire(budget)
-        used = pool.users.setdefault(state.name, PoolUsage())
+        used = pool.users.get(state.name)
+        if used is None:
+            used = pool.users[state.name] = PoolUsage()
         used.requests += 1
         used.tokens += budget
         state.inflight += 1
