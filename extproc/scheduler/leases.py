@@ -20,6 +20,8 @@ class Leases:
         state = live.tenants[ticket.tenant]
         spec = live.policy.tenants[ticket.tenant]
         state.queues[pool.name].pop_head()
+        band = state.bands[pool.name]  # only a member's request is chosen
+        band.queued -= 1
         pool.lift_hold_of(state.name)
         del live.entries[ticket.request_id]
         state.queued -= 1
@@ -34,7 +36,7 @@ class Leases:
         state.inflight += 1
         state.inflight_tokens += budget
         cost = live.fair_cost(ticket)
-        state.bands[pool.name].fair.on_dispatch(state.name, cost)
+        band.fair.on_dispatch(state.name, cost)
         self._lease_seq += 1
         lease = Lease(
             lease_id=self._lease_seq,

@@ -15,13 +15,16 @@ from extproc.scheduler.records import Hold, PoolUsage, QueueEntry
 class Band:
     """The tenants of one tier competing for one pool."""
 
-    __slots__ = ("fair", "members", "rank", "tier")
+    __slots__ = ("fair", "members", "queued", "rank", "tier")
 
     def __init__(self, rank: int, tier: str, fair: FairnessPolicy) -> None:
         self.rank = rank
         self.tier = tier
         self.fair = fair
         self.members: dict[str, None] = {}
+        self.queued = 0
+        """Requests the members have queued for the pool (kept in step by `Live`), so the
+        backlog ahead of a tier costs O(tiers), not O(members)."""
 
 
 def new_bands(tiers: list[str], fairness: Fairness) -> list[Band]:

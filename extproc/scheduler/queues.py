@@ -143,6 +143,13 @@ class Timers:
     def past_deadline(self, now: float) -> Sequence[QueueEntry]:
         return _due(self._deadlines, now)
 
+    def earliest_deadline(self) -> float | None:
+        """The earliest deadline of a queued request (None: no queued request has one)."""
+        heap = self._deadlines
+        while heap and not heap[0][2].alive:
+            heappop(heap)
+        return heap[0][0] if heap else None
+
     def expired_leases(self, now: float) -> Iterator[int]:
         heap = self._leases
         while heap and heap[0][0] <= now:
