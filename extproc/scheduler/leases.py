@@ -22,6 +22,7 @@ class Leases:
         state.queues[pool.name].pop_head()
         band = state.bands[pool.name]  # only a member's request is chosen
         band.queued -= 1
+        pool.budget_left(ticket.budget)
         pool.lift_hold_of(state.name)
         del live.entries[ticket.request_id]
         state.queued -= 1

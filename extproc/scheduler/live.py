@@ -142,15 +142,18 @@ class Live:
         if band is not None:
             band.queued += 1
         state.queued += 1
+        arrivals = state.arrivals
         if first:
-            state.arrivals.appendleft(entry)
+            arrivals.appendleft(entry)
         else:
-            state.arrivals.append(entry)
+            arrivals.append(entry)
+        if len(arrivals) > 2 * state.queued + 32:
+            state.prune_arrivals()
         self.entries[ticket.request_id] = entry
         self.timers.entry_queued(entry)
         pool = self.pools.get(ticket.pool)
         if pool is not None:
-            pool.budget_queued(entry, len(self.entries))
+            pool.budget_queued(ticket.budget)
         return state
 
     def remove(self, entry: QueueEntry, now: float, *, refund: bool) -> None:
@@ -161,6 +164,9 @@ class Live:
         band = state.bands.get(ticket.pool)
         if band is not None:
             band.queued -= 1
+        pool = self.pools.get(ticket.pool)
+        if pool is not None:
+            pool.budget_left(ticket.budget)
         del self.entries[ticket.request_id]
         state.queued -= 1
         self.timers.entry_left(entry)

@@ -9,7 +9,7 @@ from extproc.policy.model import Fairness
 from extproc.scheduler.capacity import Capacity
 from extproc.scheduler.fairness import FairnessPolicy, fairness_from_settings
 from extproc.scheduler.rates import DecayingRate
-from extproc.scheduler.records import Hold, PoolUsage, QueueEntry
+from extproc.scheduler.records import Hold, PoolUsage
 
 
 class Band:
@@ -33,8 +33,8 @@ def new_bands(tiers: list[str], fairness: Fairness) -> list[Band]:
 
 class PoolState:
     __slots__ = (
-        "_budget_pushes",
-        "_budgets",
+        "_budget_counts",
+        "_budget_heap",
         "bands",
         "capacity",
         "drain",
@@ -56,24 +56,36 @@ class PoolState:
         """Tenants with queued requests for this pool (backlogged or not)."""
         self.users: dict[str, PoolUsage] = {}
         """Tenants with admitted requests in this pool (for headroom shares)."""
-        self._budgets: list[tuple[int, int, QueueEntry]] = []
-        """(-budget, push number, entry) of entries queued here: a max-heap, lazy deletion."""
-        self._budget_pushes = 0
+        self._budget_counts: dict[int, int] = {}
+        """Token budget -> requests queued here with it."""
+        self._budget_heap: list[int] = []
+        """Negated budgets, a max-heap over `_budget_counts` (lazy deletion). Plain ints, no
+        references to entries: the collector has nothing to walk here."""
 
-    def budget_queued(self, entry: QueueEntry, live_entries: int) -> None:
-        """Track a newly queued entry's budget; `live_entries` bounds how many are alive."""
-        self._budget_pushes += 1
-        heappush(self._budgets, (-entry.ticket.budget, self._budget_pushes, entry))
-        if len(self._budgets) > 2 * live_entries + 64:
-            self._budgets = [item for item in self._budgets if item[2].alive]
-            heapify(self._budgets)
+    def budget_queued(self, budget: int) -> None:
+        counts = self._budget_counts
+        count = counts.get(budget, 0)
+        counts[budget] = count + 1
+        if count == 0:
+            heappush(self._budget_heap, -budget)
+            if len(self._budget_heap) > 2 * len(counts) + 64:
+                self._budget_heap = [-b for b in counts]
+                heapify(self._budget_heap)
+
+    def budget_left(self, budget: int) -> None:
+        counts = self._budget_counts
+        count = counts[budget] - 1
+        if count:
+            counts[budget] = count
+        else:
+            del counts[budget]
 
     def largest_queued_budget(self) -> int:
         """The largest token budget of a request queued for this pool (0: none)."""
-        heap = self._budgets
-        while heap and not heap[0][2].alive:
+        heap, counts = self._budget_heap, self._budget_counts
+        while heap and -heap[0] not in counts:
             heappop(heap)
-        return -heap[0][0] if heap else 0
+        return -heap[0] if heap else 0
 
     def lift_hold_of(self, tenant: str) -> None:
         if self.held is not None and self.held.tenant == tenant:

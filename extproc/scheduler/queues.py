@@ -109,6 +109,10 @@ class TenantState:
             arrivals.popleft()
         return arrivals[0] if arrivals else None
 
+    def prune_arrivals(self) -> None:
+        """Drop the entries that left the queue (else every request ever made stays here)."""
+        self.arrivals = deque(entry for entry in self.arrivals if entry.alive)
+
 
 class Timers:
     """When queued requests expire (max_queue_wait), pass their deadline, and when leases

@@ -26,9 +26,11 @@ from typing import Any
 
 SCENARIO = "scheduler-scaling"
 DEPTHS = (10, 1_000, 10_000)
-TENANT_MODES = {"few": 4, "many": 1_000}
-"""Tenants the requests are spread over (round robin); at a shallow depth only some of the
-many tenants have a request queued, so tenants keep joining and leaving the fair share."""
+TENANT_MODES = {"few": (4, False), "many": (1_000, False), "deadlines": (4, True)}
+"""Name -> (tenants the requests are spread over, round robin; whether each request has a
+deadline). At a shallow depth only some of the many tenants have a request queued, so tenants
+keep joining and leaving the fair share. With deadlines (an hour away: never shed) submit
+estimates each request's earliest start and poll runs the shed scan every 0.5 s of clock."""
 _WORKER_TIMEOUT_S = 300.0
 _GIT_TIMEOUT_S = 60.0
 
@@ -55,7 +57,9 @@ def _policy_text(tenants: int, fairness: str, depth: int) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _measure(depth: int, tenants: int, fairness: str, cycles: int) -> dict[str, float]:
+def _measure(
+    depth: int, tenants: int, fairness: str, cycles: int, deadlines: bool = False
+) -> dict[str, float]:
     from extproc.policy import policy_from_text
     from extproc.scheduler import ManualClock, Scheduler, Ticket
 
@@ -68,7 +72,9 @@ def _measure(depth: int, tenants: int, fairness: str, cycles: int) -> dict[str, 
         nonlocal counter
         counter += 1
         # sizes vary so that fair-share costs differ between tenants
-        return Ticket(f"r{counter}", f"t{counter % tenants}", "p", 50 + counter % 7 * 20, 100)
+        deadline = clock.now() + 3600.0 if deadlines else None
+        tenant = f"t{counter % tenants}"
+        return Ticket(f"r{counter}", tenant, "p", 50 + counter % 7 * 20, 100, deadline=deadline)
 
     for _ in range(8 + depth):  # fill the slots, then the queue
         if sched.submit(ticket()) is not None:
@@ -106,9 +112,17 @@ def _worker(spec: dict[str, Any]) -> None:
     import gc
 
     results = []
-    for config in spec["configs"]:
+    configs = spec["configs"]
+    shift = spec["round"] % len(configs)  # each round starts elsewhere: drift hits all alike
+    for config in configs[shift:] + configs[:shift]:
         gc.collect()
-        figures = _measure(config["depth"], config["tenants"], spec["fairness"], spec["cycles"])
+        figures = _measure(
+            config["depth"],
+            config["tenants"],
+            spec["fairness"],
+            spec["cycles"],
+            config["deadlines"],
+        )
         results.append({**config, **figures})
     print(json.dumps(results))
 
@@ -233,7 +247,8 @@ def _plot(summary: dict[str, Any], path: Path) -> None:
     for (arm, mode), points in sorted(series.items()):
         points.sort()
         style = "-o" if arm == "after" else "--s"
-        label = f"{arm}, {mode} tenants ({TENANT_MODES[mode]:,})"
+        tenants, deadlines = TENANT_MODES[mode]
+        label = f"{arm}, {tenants:,} tenants{', deadlines' if deadlines else ''}"
         ax.plot([p[0] for p in points], [p[1] for p in points], style, label=label)
     ax.set_xscale("log")
     ax.set_ylim(bottom=0)
@@ -255,11 +270,11 @@ def main(args: argparse.Namespace) -> int:
     rounds = 1 if args.quick else args.rounds
     cycles = 200 if args.quick else args.cycles
     configs = [
-        {"depth": d, "tenants": n, "tenants_mode": mode}
-        for mode, n in TENANT_MODES.items()
+        {"depth": d, "tenants": n, "deadlines": deadlines, "tenants_mode": mode}
+        for mode, (n, deadlines) in TENANT_MODES.items()
         for d in depths
     ]
-    spec = {"configs": configs, "fairness": args.fairness, "cycles": cycles}
+    spec: dict[str, Any] = {"configs": configs, "fairness": args.fairness, "cycles": cycles}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as scratch:
@@ -272,7 +287,7 @@ def main(args: argparse.Namespace) -> int:
             order = list(trees) if round_index % 2 == 0 else list(reversed(trees))
             for arm in order:
                 print(f"[{SCENARIO}] round {round_index + 1}/{rounds}: {arm}", file=sys.stderr)
-                raw[arm].append(_run_worker(trees[arm], spec))
+                raw[arm].append(_run_worker(trees[arm], {**spec, "round": round_index}))
     summary = summarise(raw)
     _print_table(summary)
     results = {
