@@ -251,7 +251,7 @@ def _plot(summary: dict[str, Any], path: Path) -> None:
         label = f"{arm}, {tenants:,} tenants{', deadlines' if deadlines else ''}"
         ax.plot([p[0] for p in points], [p[1] for p in points], style, label=label)
     ax.set_xscale("log")
-    ax.set_ylim(bottom=0)
+    ax.set_yscale("log")
     ax.set_xlabel("requests queued")
     ax.set_ylabel("CPU per admission (us): submit, release, dispatch, poll")
     ax.set_title("Scheduler cost vs queue depth (pure scheduler, ManualClock)")
