@@ -256,15 +256,9 @@ class Scheduler:
             if not result.ok:
                 return rate_limited(ticket, charges, result.levels, result.wait_s, headers)
             charged = {item.dimension.name: cost for item, cost in charges}
-        entry = QueueEntry(
-            ticket,
-            seq,
-            self._order_key(ticket, now, seq),
-            now,
-            now + spec.limits.max_queue_wait,
-            headers,
-            charged,
-        )
+        key = self._order_key(ticket, now, seq)
+        expires_at = now + spec.limits.max_queue_wait
+        entry = QueueEntry(ticket, seq, key, now, expires_at, headers, charged)
         state = live.enqueue(entry)
         if ticket.pool not in state.bands:
             # a band member stays one when its queue grows: nothing else to bring in step
