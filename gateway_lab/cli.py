@@ -23,6 +23,7 @@ BENCH_SCENARIOS = {
     "token-fairness": ("fairness", "request-count vs token (DRR, VTC) fairness: Jain, service gap"),
     "tiers": ("tiers", "premium vs standard tenants over capacity: TTFT, weighted shares, waits"),
     "scaleout": ("scaleout", "admissions/s and latency with 1, 2, 4 processes, memory vs Redis"),
+    "scheduler-scaling": ("sched_scaling", "scheduler CPU per admission vs queue depth"),
 }
 
 

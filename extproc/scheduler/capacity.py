@@ -42,7 +42,8 @@ class Capacity(Protocol):
         ...
 
     def fits(self, budget: int) -> bool:
-        """Room below the soft limit right now for one more request with this token budget."""
+        """Room below the soft limit right now for one more request with this token budget
+        (monotone: a budget that fits means every smaller one fits too)."""
         ...
 
     def has_headroom(self) -> bool:

@@ -169,7 +169,7 @@ class Scheduler:
 
     def _order_key(self, ticket: Ticket, now: float, seq: int) -> OrderKey:
         deadline = math.inf if ticket.deadline is None else ticket.deadline
-        return OrderKey(-ticket.priority, deadline, now, seq)
+        return (-ticket.priority, deadline, now, seq)
 
     def _check(self, ticket: Ticket, now: float) -> Rejection | None:
         live = self._live
@@ -241,29 +241,28 @@ class Scheduler:
         if rejection is not None:
             return rejection
         live = self._live
-        spec = live.policy.tenants[ticket.tenant]
-        self._seq += 1
-        charges = [(b, b.dimension.cost(ticket)) for b in live.limiter.buckets(ticket.tenant, spec)]
+        spec = live.policy.source.tenants[ticket.tenant]
+        self._seq = seq = self._seq + 1
+        limiter = live.limiter
+        buckets = limiter.buckets(ticket.tenant, spec)
         headers: dict[str, str] = {}
-        if charges:
-            takes = [Take(item.bucket, cost) for item, cost in charges]
-            result = live.limiter.store.try_take(takes, now)
-            headers = headers_for(
-                (item, level) for (item, _cost), level in zip(charges, result.levels, strict=True)
+        charged: dict[str, float] = {}
+        if buckets:
+            charges = [(item, item.dimension.cost(ticket)) for item in buckets]
+            result = limiter.store.try_take(
+                [Take(item.bucket, cost) for item, cost in charges], now
             )
+            headers = headers_for(zip(buckets, result.levels, strict=True))
             if not result.ok:
                 return rate_limited(ticket, charges, result.levels, result.wait_s, headers)
-        entry = QueueEntry(
-            ticket=ticket,
-            seq=self._seq,
-            key=self._order_key(ticket, now, self._seq),
-            enqueued_at=now,
-            expires_at=now + spec.limits.max_queue_wait,
-            headers=headers,
-            charged={item.dimension.name: cost for item, cost in charges},
-        )
+            charged = {item.dimension.name: cost for item, cost in charges}
+        key = self._order_key(ticket, now, seq)
+        expires_at = now + spec.limits.max_queue_wait
+        entry = QueueEntry(ticket, seq, key, now, expires_at, headers, charged)
         state = live.enqueue(entry)
-        live.sync(state, ticket.pool)
+        if ticket.pool not in state.bands:
+            # a band member stays one when its queue grows: nothing else to bring in step
+            live.sync(state, ticket.pool)
         return None
 
     # --- dispatch -------------------------------------------------------------------------------
@@ -427,9 +426,10 @@ class Scheduler:
 
     def poll(self) -> list[Rejection]:
         """Reclaim expired leases, expire and shed queued requests; returns their rejections."""
-        self.reclaim_expired_leases()
-        now = self.clock.now()
         timers = self._live.timers
+        if timers.leases_due(self.clock.now()):
+            self.reclaim_expired_leases()
+        now = self.clock.now()
         out = [self._expire(entry, now) for entry in timers.expired(now)]
         for entry in timers.past_deadline(now):
             out.append(self._shed(entry, now, "the request's deadline passed while queued"))
@@ -443,7 +443,7 @@ class Scheduler:
     def next_deadline(self) -> float | None:
         """The earliest clock time at which `poll()` has work, if nothing else happens first."""
         live = self._live
-        at = live.timers.next_time(lambda lease_id: lease_id in live.leases)
+        at = live.timers.next_time(live.leases.__contains__)
         if live.timers.with_deadline and estimates.may_shed(live, self.clock.now()):
             scan = max(self._next_shed_scan, self.clock.now())
             at = scan if at is None else min(at, scan)

@@ -57,6 +57,8 @@ class Dispatcher:
         has been overtaken `max_bypass` times."""
         capacity = pool.capacity
         held = pool.held
+        if held is None and capacity.fits(pool.largest_queued_budget()):
+            return self._choose_all_fit(pool)
         blocked: list[tuple[Hold, QueueEntry]] = []
         for band in pool.bands:
             if not band.members:
@@ -87,6 +89,23 @@ class Dispatcher:
             if chosen is None:
                 chosen = band.fair.pick(candidates)
             return self._head(chosen, pool)
+        return None
+
+    def _choose_all_fit(self, pool: PoolState) -> QueueEntry | None:
+        """`choose` when no hold is set and every queued request fits the pool (`fits` is
+        monotone in the budget): every member of the first band with members is a candidate
+        and none is bypassed, so the band's policy picks among all of them in its own time,
+        not O(members)."""
+        tenants = self._live.tenants
+        fair_cost = self._live.fair_cost
+        name = pool.name
+
+        def cost_of(tenant: str) -> float:
+            return fair_cost(tenants[tenant].queues[name].head().ticket)
+
+        for band in pool.bands:
+            if band.members:
+                return tenants[band.fair.pick_member(cost_of)].queues[name].head()
         return None
 
     def choose_headroom(self, pool: PoolState) -> QueueEntry | None:

@@ -23,8 +23,7 @@ def queued_ahead_by_rank(live: Live, pool: PoolState) -> list[int]:
     total = 0
     for band in pool.bands:
         ahead.append(total)
-        for name in band.members:
-            total += live.tenants[name].queues[pool.name].live
+        total += band.queued
     ahead.append(total)
     return ahead
 
@@ -53,16 +52,25 @@ def earliest_start(
 
 
 def doomed(live: Live, now: float) -> list[QueueEntry]:
-    """Queued requests whose deadline cannot be met at their pool's current drain rate."""
+    """Queued requests whose deadline cannot be met at their pool's current drain rate.
+
+    A pool is skipped without walking its queues when even the earliest deadline anywhere is
+    met behind every queued request (no request needs more completions than that)."""
     found: list[QueueEntry] = []
+    earliest = live.timers.earliest_deadline()
+    if earliest is None:
+        return found
     for pool in live.pools.values():
         if pool.retired or not pool.waiting:
             continue
         rate = pool.drain.rate(now)
         if rate is None or rate <= 0:
             continue
-        ahead_by_rank = queued_ahead_by_rank(live, pool)
         free = pool.capacity.free_slots()
+        most = len(live.entries) + 1 - free
+        if most <= 0 or now + most / rate <= earliest:
+            continue
+        ahead_by_rank = queued_ahead_by_rank(live, pool)
         for name in pool.waiting:
             spec = live.policy.tenant(name)
             if spec is None:

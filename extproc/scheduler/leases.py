@@ -20,19 +20,24 @@ class Leases:
         state = live.tenants[ticket.tenant]
         spec = live.policy.tenants[ticket.tenant]
         state.queues[pool.name].pop_head()
+        band = state.bands[pool.name]  # only a member's request is chosen
+        band.queued -= 1
+        pool.budget_left(ticket.budget)
         pool.lift_hold_of(state.name)
         del live.entries[ticket.request_id]
         state.queued -= 1
         live.timers.entry_left(entry)
         budget = ticket.budget
         pool.capacity.acquire(budget)
-        used = pool.users.setdefault(state.name, PoolUsage())
+        used = pool.users.get(state.name)
+        if used is None:
+            used = pool.users[state.name] = PoolUsage()
         used.requests += 1
         used.tokens += budget
         state.inflight += 1
         state.inflight_tokens += budget
         cost = live.fair_cost(ticket)
-        state.bands[pool.name].fair.on_dispatch(state.name, cost)
+        band.fair.on_dispatch(state.name, cost)
         self._lease_seq += 1
         lease = Lease(
             lease_id=self._lease_seq,

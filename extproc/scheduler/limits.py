@@ -117,10 +117,25 @@ def ratelimit_headers(limits: Iterable[tuple[str, Bucket, float]]) -> dict[str, 
     """x-ratelimit-{limit,remaining,reset}-<suffix> for each (suffix, bucket, level) given."""
     headers: dict[str, str] = {}
     for suffix, bucket, level in limits:
-        headers[f"x-ratelimit-limit-{suffix}"] = str(int(bucket.capacity))
-        headers[f"x-ratelimit-remaining-{suffix}"] = str(max(0, math.floor(level + 1e-9)))
-        headers[f"x-ratelimit-reset-{suffix}"] = format_reset(seconds_until_full(level, bucket))
+        headers[f"x-ratelimit-limit-{suffix}"] = limit_value(bucket)
+        headers[f"x-ratelimit-remaining-{suffix}"] = remaining_value(level)
+        headers[f"x-ratelimit-reset-{suffix}"] = reset_value(level, bucket)
     return headers
+
+
+def limit_value(bucket: Bucket) -> str:
+    """The x-ratelimit-limit-* value."""
+    return str(int(bucket.capacity))
+
+
+def remaining_value(level: float) -> str:
+    """The x-ratelimit-remaining-* value."""
+    return str(max(0, math.floor(level + 1e-9)))
+
+
+def reset_value(level: float, bucket: Bucket) -> str:
+    """The x-ratelimit-reset-* value."""
+    return format_reset(seconds_until_full(level, bucket))
 
 
 # --- stores -------------------------------------------------------------------------------------

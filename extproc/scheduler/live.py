@@ -112,13 +112,16 @@ class Live:
         if have is want:
             return
         self.membership_version += 1
+        queued = 0 if queue is None else queue.live
         if have is not None:
+            have.queued -= queued
             del have.members[state.name]
             have.fair.on_idle(state.name)
             del state.bands[pool_name]
             if pool is not None:
                 pool.lift_hold_of(state.name)
         if want is not None and spec is not None:
+            want.queued += queued
             want.members[state.name] = None
             want.fair.on_backlogged(state.name, spec.weight)
             state.bands[pool_name] = want
@@ -135,13 +138,22 @@ class Live:
         state = self.tenant(ticket.tenant)
         entry.alive = True
         state.queue(ticket.pool).push(entry)
+        band = state.bands.get(ticket.pool)
+        if band is not None:
+            band.queued += 1
         state.queued += 1
+        arrivals = state.arrivals
         if first:
-            state.arrivals.appendleft(entry)
+            arrivals.appendleft(entry)
         else:
-            state.arrivals.append(entry)
+            arrivals.append(entry)
+        if len(arrivals) > 2 * state.queued + 32:
+            state.prune_arrivals()
         self.entries[ticket.request_id] = entry
         self.timers.entry_queued(entry)
+        pool = self.pools.get(ticket.pool)
+        if pool is not None:
+            pool.budget_queued(ticket.budget)
         return state
 
     def remove(self, entry: QueueEntry, now: float, *, refund: bool) -> None:
@@ -149,6 +161,12 @@ class Live:
         ticket = entry.ticket
         state = self.tenants[ticket.tenant]
         state.queues[ticket.pool].discard(entry)
+        band = state.bands.get(ticket.pool)
+        if band is not None:
+            band.queued -= 1
+        pool = self.pools.get(ticket.pool)
+        if pool is not None:
+            pool.budget_left(ticket.budget)
         del self.entries[ticket.request_id]
         state.queued -= 1
         self.timers.entry_left(entry)

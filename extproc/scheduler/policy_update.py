@@ -51,6 +51,8 @@ def apply_policy(live: Live, policy: Policy, now: float) -> list[Rejection]:
         spec = policy.tenant(state.name)
         for pool_name, band in list(state.bands.items()):
             if spec is None or band.tier != spec.tier:
+                queue = state.queues.get(pool_name)
+                band.queued -= 0 if queue is None else queue.live
                 del band.members[state.name]
                 band.fair.forget(state.name)
                 del state.bands[pool_name]

@@ -3,6 +3,8 @@ its drain rate, and who waits for it or uses it."""
 
 from __future__ import annotations
 
+from heapq import heapify, heappop, heappush
+
 from extproc.policy.model import Fairness
 from extproc.scheduler.capacity import Capacity
 from extproc.scheduler.fairness import FairnessPolicy, fairness_from_settings
@@ -13,13 +15,16 @@ from extproc.scheduler.records import Hold, PoolUsage
 class Band:
     """The tenants of one tier competing for one pool."""
 
-    __slots__ = ("fair", "members", "rank", "tier")
+    __slots__ = ("fair", "members", "queued", "rank", "tier")
 
     def __init__(self, rank: int, tier: str, fair: FairnessPolicy) -> None:
         self.rank = rank
         self.tier = tier
         self.fair = fair
         self.members: dict[str, None] = {}
+        self.queued = 0
+        """Requests the members have queued for the pool (kept in step by `Live`), so the
+        backlog ahead of a tier costs O(tiers), not O(members)."""
 
 
 def new_bands(tiers: list[str], fairness: Fairness) -> list[Band]:
@@ -27,7 +32,18 @@ def new_bands(tiers: list[str], fairness: Fairness) -> list[Band]:
 
 
 class PoolState:
-    __slots__ = ("bands", "capacity", "drain", "held", "name", "retired", "users", "waiting")
+    __slots__ = (
+        "_budget_counts",
+        "_budget_heap",
+        "bands",
+        "capacity",
+        "drain",
+        "held",
+        "name",
+        "retired",
+        "users",
+        "waiting",
+    )
 
     def __init__(self, name: str, capacity: Capacity, bands: list[Band], drain: DecayingRate):
         self.name = name
@@ -40,6 +56,36 @@ class PoolState:
         """Tenants with queued requests for this pool (backlogged or not)."""
         self.users: dict[str, PoolUsage] = {}
         """Tenants with admitted requests in this pool (for headroom shares)."""
+        self._budget_counts: dict[int, int] = {}
+        """Token budget -> requests queued here with it."""
+        self._budget_heap: list[int] = []
+        """Negated budgets, a max-heap over `_budget_counts` (lazy deletion). Plain ints, no
+        references to entries: the collector has nothing to walk here."""
+
+    def budget_queued(self, budget: int) -> None:
+        counts = self._budget_counts
+        count = counts.get(budget, 0)
+        counts[budget] = count + 1
+        if count == 0:
+            heappush(self._budget_heap, -budget)
+            if len(self._budget_heap) > 2 * len(counts) + 64:
+                self._budget_heap = [-b for b in counts]
+                heapify(self._budget_heap)
+
+    def budget_left(self, budget: int) -> None:
+        counts = self._budget_counts
+        count = counts[budget] - 1
+        if count:
+            counts[budget] = count
+        else:
+            del counts[budget]
+
+    def largest_queued_budget(self) -> int:
+        """The largest token budget of a request queued for this pool (0: none)."""
+        heap, counts = self._budget_heap, self._budget_counts
+        while heap and -heap[0] not in counts:
+            heappop(heap)
+        return -heap[0] if heap else 0
 
     def lift_hold_of(self, tenant: str) -> None:
         if self.held is not None and self.held.tenant == tenant:

@@ -4,43 +4,41 @@ and lease-expiry timers (heaps with lazy deletion)."""
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from heapq import heapify, heappop, heappush
-from typing import NamedTuple
 
 from extproc.scheduler.pools import Band
 from extproc.scheduler.rates import DecayingRate
 from extproc.scheduler.records import OrderKey, QueueEntry
 
 
-class _Queued(NamedTuple):
-    key: OrderKey
-    entry: QueueEntry
-
-
 class TenantQueue:
-    """One tenant's queued requests for one pool, in tenant order (a heap, lazy deletion)."""
+    """One tenant's queued requests for one pool, in tenant order (a heap, lazy deletion).
+
+    Heap items are plain (order key, entry) tuples, here and in `Timers`: every submit pushes
+    a few, and NamedTuples cost more to build."""
 
     __slots__ = ("heap", "live", "tokens", "with_deadline")
 
     def __init__(self) -> None:
-        self.heap: list[_Queued] = []
+        self.heap: list[tuple[OrderKey, QueueEntry]] = []
         self.live = 0
         self.tokens = 0
         """Token budgets of the live entries."""
         self.with_deadline = 0
 
     def push(self, entry: QueueEntry) -> None:
-        heappush(self.heap, _Queued(entry.key, entry))
+        heappush(self.heap, (entry.key, entry))
         self._count(entry, 1)
 
     def head(self) -> QueueEntry:
         heap = self.heap
-        while heap and not heap[0].entry.alive:
+        while heap:
+            entry = heap[0][1]
+            if entry.alive:
+                return entry
             heappop(heap)
-        if not heap:
-            raise LookupError("empty tenant queue")
-        return heap[0].entry
+        raise LookupError("empty tenant queue")
 
     def pop_head(self) -> QueueEntry:
         entry = self.head()
@@ -53,22 +51,21 @@ class TenantQueue:
         entry.alive = False
         self._count(entry, -1)
         if len(self.heap) > 32 and len(self.heap) > 2 * self.live:
-            self.heap = [item for item in self.heap if item.entry.alive]
+            self.heap = [item for item in self.heap if item[1].alive]
             heapify(self.heap)
 
     def _count(self, entry: QueueEntry, sign: int) -> None:
+        ticket = entry.ticket
         self.live += sign
-        self.tokens += sign * entry.ticket.budget
-        if entry.ticket.deadline is not None:
+        self.tokens += sign * (ticket.input_tokens + ticket.max_output_tokens)
+        if ticket.deadline is not None:
             self.with_deadline += sign
 
     def in_order(self) -> list[QueueEntry]:
-        return [
-            item.entry for item in sorted(self.heap, key=lambda item: item.key) if item.entry.alive
-        ]
+        return [entry for _key, entry in sorted(self.heap, key=lambda item: item[0]) if entry.alive]
 
     def count_before(self, key: OrderKey) -> int:
-        return sum(1 for item in self.heap if item.entry.alive and item.key < key)
+        return sum(1 for k, entry in self.heap if entry.alive and k < key)
 
 
 class TenantState:
@@ -112,67 +109,73 @@ class TenantState:
             arrivals.popleft()
         return arrivals[0] if arrivals else None
 
-
-class _EntryTimer(NamedTuple):
-    at: float
-    seq: int
-    entry: QueueEntry
-
-
-class _LeaseTimer(NamedTuple):
-    at: float
-    lease_id: int
+    def prune_arrivals(self) -> None:
+        """Drop the entries that left the queue (else every request ever made stays here)."""
+        self.arrivals = deque(entry for entry in self.arrivals if entry.alive)
 
 
 class Timers:
     """When queued requests expire (max_queue_wait), pass their deadline, and when leases
-    expire. Entries that left the queue are skipped lazily."""
+    expire. Entries that left the queue are skipped lazily. Heap items: (time, entry seq,
+    entry) and (time, lease id)."""
 
     def __init__(self) -> None:
-        self._expiries: list[_EntryTimer] = []
-        self._deadlines: list[_EntryTimer] = []
-        self._leases: list[_LeaseTimer] = []
+        self._expiries: list[tuple[float, int, QueueEntry]] = []
+        self._deadlines: list[tuple[float, int, QueueEntry]] = []
+        self._leases: list[tuple[float, int]] = []
         self.with_deadline = 0
         """Queued requests that have a deadline (shedding only runs while there are some)."""
 
     def entry_queued(self, entry: QueueEntry) -> None:
-        heappush(self._expiries, _EntryTimer(entry.expires_at, entry.seq, entry))
-        if entry.ticket.deadline is not None:
+        heappush(self._expiries, (entry.expires_at, entry.seq, entry))
+        deadline = entry.ticket.deadline
+        if deadline is not None:
             self.with_deadline += 1
-            heappush(self._deadlines, _EntryTimer(entry.ticket.deadline, entry.seq, entry))
+            heappush(self._deadlines, (deadline, entry.seq, entry))
 
     def entry_left(self, entry: QueueEntry) -> None:
         if entry.ticket.deadline is not None:
             self.with_deadline -= 1
 
     def lease_added(self, expires_at: float, lease_id: int) -> None:
-        heappush(self._leases, _LeaseTimer(expires_at, lease_id))
+        heappush(self._leases, (expires_at, lease_id))
 
-    def expired(self, now: float) -> list[QueueEntry]:
+    def expired(self, now: float) -> Sequence[QueueEntry]:
         """Queued entries past their max_queue_wait, taken off the timer."""
         return _due(self._expiries, now)
 
-    def past_deadline(self, now: float) -> list[QueueEntry]:
+    def past_deadline(self, now: float) -> Sequence[QueueEntry]:
         return _due(self._deadlines, now)
+
+    def earliest_deadline(self) -> float | None:
+        """The earliest deadline of a queued request (None: no queued request has one)."""
+        heap = self._deadlines
+        while heap and not heap[0][2].alive:
+            heappop(heap)
+        return heap[0][0] if heap else None
 
     def expired_leases(self, now: float) -> Iterator[int]:
         heap = self._leases
-        while heap and heap[0].at <= now:
-            yield heappop(heap).lease_id
+        while heap and heap[0][0] <= now:
+            yield heappop(heap)[1]
+
+    def leases_due(self, now: float) -> bool:
+        """Whether a lease timer is due (cheap: `poll` asks before reclaiming)."""
+        return bool(self._leases) and self._leases[0][0] <= now
 
     def next_time(self, lease_alive: Callable[[int], bool]) -> float | None:
-        times: list[float] = []
+        at: float | None = None
         for heap in (self._expiries, self._deadlines):
-            while heap and not heap[0].entry.alive:
+            while heap and not heap[0][2].alive:
                 heappop(heap)
-            if heap:
-                times.append(heap[0].at)
+            if heap and (at is None or heap[0][0] < at):
+                at = heap[0][0]
         leases = self._leases
-        while leases and not lease_alive(leases[0].lease_id):
+        while leases and not lease_alive(leases[0][1]):
             heappop(leases)
-        if leases:
-            times.append(leases[0].at)
-        return min(times) if times else None
+        if leases and (at is None or leases[0][0] < at):
+            at = leases[0][0]
+        return at
 
     def leases_need_compaction(self, live_leases: int) -> bool:
         return len(self._leases) > 4 * live_leases + 1024
@@ -181,26 +184,28 @@ class Timers:
         return max(len(self._expiries), len(self._deadlines)) > 4 * live_entries + 1024
 
     def rebuild_leases(self, leases: Iterable[tuple[float, int]]) -> None:
-        self._leases = [_LeaseTimer(at, lease_id) for at, lease_id in leases]
+        self._leases = list(leases)
         heapify(self._leases)
 
     def rebuild_entries(self, entries: Iterable[QueueEntry]) -> None:
         """After expires_at changed (policy update) or dead timers dominate."""
         items = list(entries)
-        self._expiries = [_EntryTimer(e.expires_at, e.seq, e) for e in items]
+        self._expiries = [(e.expires_at, e.seq, e) for e in items]
         heapify(self._expiries)
         self._deadlines = [
-            _EntryTimer(e.ticket.deadline, e.seq, e) for e in items if e.ticket.deadline is not None
+            (e.ticket.deadline, e.seq, e) for e in items if e.ticket.deadline is not None
         ]
         heapify(self._deadlines)
 
 
-def _due(heap: list[_EntryTimer], now: float) -> list[QueueEntry]:
+def _due(heap: list[tuple[float, int, QueueEntry]], now: float) -> Sequence[QueueEntry]:
     """Pop the timers due at `now`; the entries still queued (each leaves only by itself,
     so none of them is removed by handling another)."""
+    if not heap or heap[0][0] > now:
+        return ()  # the common case, without building a list
     due: list[QueueEntry] = []
-    while heap and heap[0].at <= now:
-        entry = heappop(heap).entry
+    while heap and heap[0][0] <= now:
+        entry = heappop(heap)[2]
         if entry.alive:
             due.append(entry)
     return due

@@ -15,7 +15,14 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from extproc.policy.model import Limits, Tenant
-from extproc.scheduler.limits import Bucket, LimitStore, Take, ratelimit_headers
+from extproc.scheduler.limits import (
+    Bucket,
+    LimitStore,
+    Take,
+    limit_value,
+    remaining_value,
+    reset_value,
+)
 from extproc.scheduler.types import Ticket
 
 
@@ -87,6 +94,24 @@ def bucket_for_key(key: str, spec: Tenant) -> Bucket | None:
 class TenantBucket:
     dimension: LimitDimension
     bucket: Bucket
+    limit_header: str
+    remaining_header: str
+    reset_header: str
+    limit_value: str
+    """The x-ratelimit-* names and the limit's value, built once per tenant and policy: every
+    submit sends them."""
+
+
+def tenant_bucket(dimension: LimitDimension, bucket: Bucket) -> TenantBucket:
+    suffix = dimension.header_suffix
+    return TenantBucket(
+        dimension,
+        bucket,
+        f"x-ratelimit-limit-{suffix}",
+        f"x-ratelimit-remaining-{suffix}",
+        f"x-ratelimit-reset-{suffix}",
+        limit_value(bucket),
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,7 +133,7 @@ class RateLimiter:
         if cached is not None and cached.limits is spec.limits:
             return cached.buckets  # policy models are frozen: same object, same limits
         buckets = tuple(
-            TenantBucket(d, bucket_of(name, d, limit))
+            tenant_bucket(d, bucket_of(name, d, limit))
             for d in DIMENSIONS
             if (limit := getattr(spec.limits, d.policy_field)) is not None
         )
@@ -141,4 +166,11 @@ class RateLimiter:
 
 
 def headers_for(levels: Iterable[tuple[TenantBucket, float]]) -> dict[str, str]:
-    return ratelimit_headers((b.dimension.header_suffix, b.bucket, lv) for b, lv in levels)
+    """x-ratelimit-{limit,remaining,reset}-* of each bucket at its level (as
+    `limits.ratelimit_headers` writes them)."""
+    headers: dict[str, str] = {}
+    for item, level in levels:
+        headers[item.limit_header] = item.limit_value
+        headers[item.remaining_header] = remaining_value(level)
+        headers[item.reset_header] = reset_value(level, item.bucket)
+    return headers

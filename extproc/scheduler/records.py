@@ -7,14 +7,9 @@ from typing import NamedTuple
 
 from extproc.scheduler.types import Lease, Ticket
 
-
-class OrderKey(NamedTuple):
-    """Tenant order (layer d): priority, then deadline, then arrival, then sequence number."""
-
-    neg_priority: int
-    deadline: float
-    arrival: float
-    seq: int
+OrderKey = tuple[int, float, float, int]
+"""Tenant order (layer d): (-priority, deadline or inf, arrival, sequence number). A plain
+tuple, not a NamedTuple: one is built for every submit, and building those costs more."""
 
 
 @dataclass(eq=False, slots=True)

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from bisect import bisect_right
+from collections.abc import Callable, Sequence
 from typing import Self
 
 from extproc.policy.model import Fairness
@@ -20,6 +21,11 @@ class DeficitRoundRobin:
     join order, starting after the current one), and credits every member the quanta of the
     visits made on the way. A tenant that stops being backlogged loses its positive deficit
     (credit is not banked) but keeps a negative one (a debt from settlement).
+
+    `pick_member` (every member a candidate) walks the ring from the current position and stops
+    at the first member that affords its head within one visit: that member is the pick, as
+    the full computation would find, so in the common case a pick costs a few steps, not
+    O(members). The ring is the members' join positions in a sorted list (lazy deletion).
     """
 
     name = "drr"
@@ -38,6 +44,9 @@ class DeficitRoundRobin:
         self._joined = 0
         self._current: str | None = None
         self._current_position = 0
+        self._ring: list[int] = []
+        """Join positions in increasing order; those no longer in `_at` are left members."""
+        self._at: dict[int, str] = {}
 
     def on_backlogged(self, tenant: str, weight: float) -> None:
         self._weight[tenant] = weight
@@ -45,11 +54,17 @@ class DeficitRoundRobin:
             return
         self._joined += 1
         self._position[tenant] = self._joined
+        self._ring.append(self._joined)
+        self._at[self._joined] = tenant
         self._deficit.setdefault(tenant, 0.0)
 
     def on_idle(self, tenant: str) -> None:
-        if self._position.pop(tenant, None) is None:
+        left = self._position.pop(tenant, None)
+        if left is None:
             return
+        del self._at[left]
+        if len(self._ring) > 2 * len(self._at) + 32:
+            self._ring = [p for p in self._ring if p in self._at]
         self._deficit[tenant] = min(self._deficit.get(tenant, 0.0), 0.0)
         if self._current == tenant:
             self._current = None
@@ -86,6 +101,28 @@ class DeficitRoundRobin:
         self._current = best
         self._current_position = position[best]
         return best
+
+    def pick_member(self, cost_of: Callable[[str], float]) -> str:
+        deficit = self._deficit
+        current = self._current
+        if current is not None and deficit[current] + _EPS >= cost_of(current):
+            return current  # `_current` is always a member (on_idle clears it)
+        ring, at = self._ring, self._at
+        start = bisect_right(ring, self._current_position)
+        walked: list[str] = []
+        for index in range(start, start + len(ring)):
+            tenant = at.get(ring[index - len(ring)] if index >= len(ring) else ring[index])
+            if tenant is None:
+                continue
+            walked.append(tenant)
+            if cost_of(tenant) - deficit[tenant] <= self.quantum * self._weight[tenant] + _EPS:
+                for visited in walked:  # one visit each on the way, as `pick` credits
+                    deficit[visited] += self.quantum * self._weight[visited]
+                self._current = tenant
+                self._current_position = self._position[tenant]
+                return tenant
+        # nobody affords its head within one visit: the full computation
+        return self.pick([(tenant, cost_of(tenant)) for tenant in walked])
 
     def on_dispatch(self, tenant: str, cost: float) -> None:
         self._deficit[tenant] = self._deficit.get(tenant, 0.0) - cost

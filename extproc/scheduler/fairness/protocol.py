@@ -10,6 +10,9 @@ Every registered policy (extproc.scheduler.fairness.FAIRNESS_POLICIES) has this 
 * `on_backlogged(tenant, weight)` / `on_idle(tenant)`: membership changes;
 * `pick(candidates)`: the tenant to serve next among `(tenant, head_cost)` pairs (the members
   whose head request fits the pool now; always non-empty);
+* `pick_member(cost_of)`: the same answer as `pick` over every member, each with
+  `cost_of(member)` as its head cost, without building that list (the scheduler's fast path
+  when every head fits: cheaper than O(members) where the policy can);
 * `on_dispatch(tenant, cost)`: the reserved cost of the request just dispatched;
 * `charge(tenant, cost)`: later corrections, e.g. streamed output above the reservation
   (positive) or a settlement refund (negative);
@@ -20,7 +23,7 @@ Every registered policy (extproc.scheduler.fairness.FAIRNESS_POLICIES) has this 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Protocol, Self
 
 from extproc.policy.model import Fairness
@@ -36,6 +39,8 @@ class FairnessPolicy(Protocol):
     def set_weight(self, tenant: str, weight: float) -> None: ...
 
     def pick(self, candidates: Sequence[tuple[str, float]]) -> str: ...
+
+    def pick_member(self, cost_of: Callable[[str], float]) -> str: ...
 
     def on_dispatch(self, tenant: str, cost: float) -> None: ...
 
