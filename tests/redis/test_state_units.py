@@ -7,7 +7,7 @@ from extproc.policy.model import Pool
 from extproc.scheduler import Bucket, ManualClock, Scheduler, Take, TakeResult
 from extproc.state import SharedCapacity, SharedLimitStore, local_share
 from extproc.state.ops import GiveBack, Op
-from tests.scheduler.sched_support import make_policy, ticket
+from tests.unit.sched_support import make_policy, ticket
 
 
 def scheduler(**pools: int) -> Scheduler:

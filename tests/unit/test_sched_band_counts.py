@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from extproc.policy import Policy
 from extproc.scheduler import Scheduler
-from tests.scheduler.sched_support import make_policy, scheduler, ticket
+from tests.unit.sched_support import make_policy, scheduler, ticket
 
 _TENANTS = ("a", "b", "c")
 _POOLS = {
