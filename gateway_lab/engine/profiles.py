@@ -55,6 +55,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from gateway_lab.engine.waiting import SCHEDULING_POLICIES
+
 
 @dataclass(frozen=True, slots=True)
 class EngineProfile:
@@ -71,6 +73,10 @@ class EngineProfile:
     block_size: int = 16
     max_model_len: int = 8192
     frontend_s: float = 0.0
+    scheduling_policy: str = "fcfs"
+    """vLLM's `--scheduling-policy`: "fcfs" (arrival order, `priority` ignored) or "priority"."""
+    long_prefill_token_threshold: int = 0
+    """vLLM's `--long-prefill-token-threshold`: most prompt tokens of one request per step."""
 
     def __post_init__(self) -> None:
         for field in ("step_base_s", "step_per_decode_s", "step_per_prefill_token_s"):
@@ -81,6 +87,13 @@ class EngineProfile:
         for field in ("max_num_seqs", "max_num_batched_tokens", "kv_blocks", "block_size"):
             if getattr(self, field) < 1:
                 raise ValueError(f"{field} must be >= 1")
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise ValueError(
+                f"scheduling_policy must be one of {', '.join(SCHEDULING_POLICIES)}, "
+                f"got {self.scheduling_policy!r}"
+            )
+        if self.long_prefill_token_threshold < 0:
+            raise ValueError("long_prefill_token_threshold must be >= 0 (0 = off)")
         if self.max_model_len < 2:
             raise ValueError("max_model_len must be >= 2")
         # As vLLM refuses to start: one request of max_model_len tokens must fit in the cache,
