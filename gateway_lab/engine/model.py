@@ -8,11 +8,12 @@ Each `step(now)`, following vLLM V1's scheduler:
 1. Running requests, in admission order, each take their next tokens from the step's token
    budget (`max_num_batched_tokens`): one token for a decode, the next chunk for a prompt still
    being prefilled, a chunk capped at `long_prefill_token_threshold` tokens when that is set
-   (0 = off). A request that needs a new KV block when none is free preempts a victim (possibly
-   itself): under "fcfs" the latest-admitted running request, under "priority" the one with the
-   largest (priority, arrival time). The victim's blocks are freed (and its tokens in this step
-   unscheduled), it goes back to the waiting queue, and it recomputes prompt + tokens generated
-   so far when it is admitted again. A running request is never displaced for any other reason.
+   (0 = off; not applied when a single request runs or waits). A request that needs a new KV
+   block when none is free preempts a victim (possibly itself): under "fcfs" the latest-admitted
+   running request, under "priority" the one with the largest (priority, arrival time). The
+   victim's blocks are freed (and its tokens in this step unscheduled), it goes back to the
+   waiting queue, and it recomputes prompt + tokens generated so far when it is admitted again.
+   A running request is never displaced for any other reason.
 2. If nothing was preempted, waiting requests are admitted in the policy's order (see
    `gateway_lab.engine.waiting`: "fcfs" arrival order, "priority" lowest value first, ties by
    arrival) while a sequence slot (`max_num_seqs`), some token budget and free blocks for the
@@ -211,8 +212,11 @@ class EngineCore:
         profile = self.profile
         block_size = profile.block_size
         budget = profile.max_num_batched_tokens
-        chunk_cap = profile.long_prefill_token_threshold or budget
         running = self._running
+        # vLLM applies the cap only when another request could be starved by a long prefill.
+        threshold = profile.long_prefill_token_threshold
+        many = len(running) + len(self._waiting) > 1
+        chunk_cap = threshold if threshold and many else budget
         # Insertion-ordered: a preempted victim's tokens are taken back out of the step.
         scheduled: dict[_Seq, int] = {}
 
@@ -321,9 +325,9 @@ class EngineCore:
         running = self._running
         if not self._by_priority:
             return len(running) - 1
+        # max() keeps the first of equal keys, as vLLM's does.
         return max(
-            range(len(running)),
-            key=lambda k: (running[k].priority, running[k].arrival_time, running[k].order),
+            range(len(running)), key=lambda k: (running[k].priority, running[k].arrival_time)
         )
 
     def _preempt(self, seq: _Seq) -> None:

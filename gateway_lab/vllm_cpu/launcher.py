@@ -48,6 +48,10 @@ class PoolPreset:
     ``max_model_len`` tokens plus the block vLLM keeps aside (``(blocks - 1) * 128 >=
     max_model_len``). ``enforce_eager`` skips torch.compile: the server starts in about
     26 s instead of 34 s (compile cache warm) or about 60 s (cold), and decodes about 10% slower.
+    ``scheduling_policy`` is vLLM's ``--scheduling-policy``: every pool the project ships runs
+    "priority" so that a request's ``priority`` field orders the engine's waiting queue (under
+    "fcfs" vLLM ignores it). ``long_prefill_token_threshold`` caps one request's prompt tokens
+    per step (0 = off); docs/calibration.md has the measurement behind each pool's value.
     """
 
     name: str
@@ -58,6 +62,8 @@ class PoolPreset:
     kv_cache_gib: int = 1
     kv_cache_blocks: int | None = None
     enforce_eager: bool = True
+    scheduling_policy: str = "priority"
+    long_prefill_token_threshold: int = 0
 
 
 # Short pool: many sequences, short context. Long pool: long context, few sequences. Both cap
@@ -105,6 +111,8 @@ def vllm_command(
     max_num_batched_tokens: int | None = None,
     kv_cache_blocks: int | None = None,
     enforce_eager: bool = False,
+    scheduling_policy: str | None = None,
+    long_prefill_token_threshold: int | None = None,
     host: str = LOOPBACK,
     python: str | None = None,
     extra_args: Sequence[str] = (),
@@ -143,6 +151,10 @@ def vllm_command(
         command += ["--num-gpu-blocks-override", str(kv_cache_blocks)]
     if enforce_eager:
         command.append("--enforce-eager")
+    if scheduling_policy is not None:
+        command += ["--scheduling-policy", scheduling_policy]
+    if long_prefill_token_threshold:
+        command += ["--long-prefill-token-threshold", str(long_prefill_token_threshold)]
     return command + list(extra_args)
 
 
@@ -336,6 +348,8 @@ def preset_command(
         max_num_batched_tokens=preset.max_num_batched_tokens,
         kv_cache_blocks=preset.kv_cache_blocks,
         enforce_eager=preset.enforce_eager,
+        scheduling_policy=preset.scheduling_policy,
+        long_prefill_token_threshold=preset.long_prefill_token_threshold,
         host=host,
         python=python,
         extra_args=extra_args,

@@ -191,3 +191,10 @@ def test_a_request_that_preempts_itself_does_not_leave_an_empty_step() -> None:
         if result.preempted:
             assert result.preempted == ("low",) and result.output == ("high",)
         now = result.end
+
+
+def test_threshold_is_not_applied_to_a_lone_request() -> None:
+    # vLLM: with nobody to starve, a long prefill uses the whole budget.
+    core = EngineCore(BASE.with_overrides({"max_num_seqs": 8, "long_prefill_token_threshold": 64}))
+    core.add_request("alone", 1000, 1)
+    assert core.step(0.0).num_prefill_tokens == 512
