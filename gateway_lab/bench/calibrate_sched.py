@@ -84,6 +84,9 @@ class FrontendLevel:
     ttft_p99_ms: float
     api_cpu_share: float
     """CPU seconds of the server's API process per wall second (1.0 = one core)."""
+    output_tokens_per_s: float
+    api_cpu_us_per_token: float
+    """The API process's CPU time per streamed output token (request handling included)."""
 
 
 @dataclass
@@ -156,18 +159,19 @@ async def frontend_levels(
     for concurrency in levels:
         async with _session() as session:
 
-            async def client() -> list[float]:
+            async def client() -> list[tuple[float, int]]:
                 out = []
                 for _ in range(per_client):
                     timing = await stream_completion(session, url, ONE_LINE_PROMPT, 64)
-                    out.append(timing.ttft_s)
+                    out.append((timing.ttft_s, timing.tokens))
                 return out
 
             cpu_before, wall_before = _cpu_seconds(pid), time.perf_counter()
             batches = await asyncio.gather(*(client() for _ in range(concurrency)))
             cpu = _cpu_seconds(pid) - cpu_before
             wall = time.perf_counter() - wall_before
-        ttfts = [t for batch in batches for t in batch]
+        ttfts = [t for batch in batches for t, _ in batch]
+        tokens = sum(n for batch in batches for _, n in batch)
         results.append(
             FrontendLevel(
                 concurrency=concurrency,
@@ -175,6 +179,8 @@ async def frontend_levels(
                 ttft_p50_ms=round(statistics.median(ttfts) * 1000, 2),
                 ttft_p99_ms=round(_pct(ttfts, 0.99) * 1000, 2),
                 api_cpu_share=round(cpu / wall, 3),
+                output_tokens_per_s=round(tokens / wall, 1),
+                api_cpu_us_per_token=round(cpu / tokens * 1e6, 1),
             )
         )
         print(f"    {results[-1]}", flush=True)
@@ -249,18 +255,20 @@ def measure_engine(kind: str, args: argparse.Namespace, log_dir: Path) -> Engine
         EngineConfig("priority", 0),
         EngineConfig("priority", args.threshold),
     ]
+    if args.frontend_only:
+        configs = configs[:1]
     for config in configs:
         print(f"{kind}: {config.label}", flush=True)
         rng = random.Random(args.seed)
         with _engine(kind, config, log_dir, vllm, model) as (url, pid):
             asyncio.run(_warm(url, rng))
-            if config.threshold == 0:
+            if config.threshold == 0 and not args.frontend_only:
                 ttfts = asyncio.run(
                     short_beside_longs(url, args.queued_longs, args.repeats, rng, long_priority=1)
                 )
                 rows.shorts.append(_summary("priority", config, args.queued_longs, ttfts))
                 print(f"  {rows.shorts[-1]}", flush=True)
-            if config.policy == "priority":
+            if config.policy == "priority" and not args.frontend_only:
                 ttfts = asyncio.run(
                     short_beside_longs(url, args.beside_longs, args.repeats, rng, long_priority=0)
                 )
@@ -282,6 +290,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--repeats", type=int, default=5, help="short requests per row")
     parser.add_argument(
         "--frontend", default="", help="concurrency levels of the API-server probe, e.g. 1,16,64"
+    )
+    parser.add_argument(
+        "--frontend-only", action="store_true", help="only the API-server probe (fcfs engine)"
     )
     parser.add_argument("--per-client", type=int, default=4, help="requests per client, probe")
     parser.add_argument("--seed", type=int, default=7)

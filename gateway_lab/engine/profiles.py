@@ -45,6 +45,14 @@ calibrate` (table and method in docs/calibration.md): a step costs ~3 ms, ~1 ms 
 100k-token logits of a 128-wide model dominate) and ~22 us per prefill token; the API server
 adds ~6 ms per request; 32 sequences, 2,048 batched tokens, 128 KV blocks of 128 tokens, 16,384
 positions. Profile "fast" has ~1 ms steps for functional tests.
+
+Scheduler settings, named as vLLM's (every profile keeps vLLM's defaults; the pools the
+project ships pass `--scheduling-policy priority`): `scheduling_policy` "fcfs" (arrival order,
+the request's `priority` ignored) or "priority" (lowest value first; see
+gateway_lab.engine.model for the waiting-queue and preemption rules), and
+`long_prefill_token_threshold` (most prompt tokens of one request per step, 0 = off).
+`max_num_partial_prefills` / `max_long_partial_prefills` are not modelled: vLLM V1 does not
+enforce them either.
 """
 
 from __future__ import annotations

@@ -34,6 +34,11 @@ async def test_frontend_probe_reports_each_level() -> None:
     assert all(0 < level.ttft_p50_ms <= level.ttft_p99_ms for level in levels)
     # This process runs the engine and the clients: it used some CPU, at most both cores.
     assert all(0 < level.api_cpu_share <= (os.cpu_count() or 1) for level in levels)
+    # 64 tokens per request ("fast" emulates ignore_eos).
+    for level in levels:
+        seconds = level.requests * 64 / level.output_tokens_per_s
+        cpu_per_token = level.api_cpu_share * seconds / (level.requests * 64)
+        assert level.api_cpu_us_per_token == pytest.approx(cpu_per_token * 1e6, rel=0.05)
 
 
 def test_cpu_seconds_reads_this_process() -> None:
