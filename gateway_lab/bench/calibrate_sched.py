@@ -8,11 +8,12 @@ preset (``gateway_lab.vllm_cpu.launcher.SHORT_POOL``) and the configuration's
 ``extproc engine --profile cpu-tiny`` with the same two flags. Rows (streamed
 ``/v1/completions`` of random token ids, as in `gateway_lab.bench.calibrate`):
 
-- **priority**: ``queued_longs`` long prompts (1,800 tokens, 16 out, priority 1) sent together,
-  then 20 ms later a short one (50 tokens, 16 out, priority 0): the short request's TTFT p50,
-  "fcfs" vs "priority". The long prompts beyond the first step's 2,048-token budget wait.
-- **threshold**: ``beside_longs`` long prompts then the short one, all priority 0, with the
-  threshold off vs ``--threshold`` tokens.
+- **priority** (every configuration): ``queued_longs`` long prompts (1,800 tokens, 16 out,
+  priority 1) sent together, then 20 ms later a short one (50 tokens, 16 out, priority 0): the
+  short request's TTFT p50. The long prompts beyond the first step's 2,048-token budget wait.
+- **threshold** (the "priority" configurations): ``beside_longs`` long prompts then the short
+  one, all priority 0. ``--configs`` lists the engines (default: fcfs, priority, priority with
+  a 256-token threshold).
 - **frontend** (``--frontend``): ``N`` concurrent clients in a closed loop sending one-line
   prompts with 64 tokens out (kvwarden's request shape): TTFT p50/p99 and the CPU share of the
   server's API process (1.0 = one core busy) per level, to see whether it saturates.
@@ -242,6 +243,15 @@ async def _warm(url: str, rng: random.Random) -> None:
             await stream_completion(session, url, random_prompt(rng, 200), 8)
 
 
+def parse_configs(text: str) -> list[EngineConfig]:
+    """`fcfs:0,priority:256` -> engine configurations (policy:threshold)."""
+    configs = []
+    for item in text.split(","):
+        policy, _, threshold = item.strip().partition(":")
+        configs.append(EngineConfig(policy, int(threshold or 0)))
+    return configs
+
+
 def measure_engine(kind: str, args: argparse.Namespace, log_dir: Path) -> EngineRows:
     model: Path | None = None
     vllm = args.vllm_python or vllm_python()
@@ -250,19 +260,13 @@ def measure_engine(kind: str, args: argparse.Namespace, log_dir: Path) -> Engine
 
         model = Path(args.model_dir) if args.model_dir else build_model(vllm)
     rows = EngineRows(kind)
-    configs = [
-        EngineConfig("fcfs", 0),
-        EngineConfig("priority", 0),
-        EngineConfig("priority", args.threshold),
-    ]
-    if args.frontend_only:
-        configs = configs[:1]
+    configs = [EngineConfig("fcfs", 0)] if args.frontend_only else parse_configs(args.configs)
     for config in configs:
         print(f"{kind}: {config.label}", flush=True)
         rng = random.Random(args.seed)
         with _engine(kind, config, log_dir, vllm, model) as (url, pid):
             asyncio.run(_warm(url, rng))
-            if config.threshold == 0 and not args.frontend_only:
+            if not args.frontend_only:
                 ttfts = asyncio.run(
                     short_beside_longs(url, args.queued_longs, args.repeats, rng, long_priority=1)
                 )
@@ -284,7 +288,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--engines", default="real,emulated", help="real, emulated or both")
     parser.add_argument("--vllm-python", default=None, help="interpreter with vllm-cpu")
     parser.add_argument("--model-dir", default=None, help="model folder (default: tiny model)")
-    parser.add_argument("--threshold", type=int, default=256, help="threshold for the 'on' row")
+    parser.add_argument(
+        "--configs",
+        default="fcfs:0,priority:0,priority:256",
+        help="engine configurations, policy:threshold (default %(default)s)",
+    )
     parser.add_argument("--queued-longs", type=int, default=8, help="long prompts, priority row")
     parser.add_argument("--beside-longs", type=int, default=4, help="long prompts, threshold row")
     parser.add_argument("--repeats", type=int, default=5, help="short requests per row")

@@ -198,3 +198,26 @@ def test_threshold_is_not_applied_to_a_lone_request() -> None:
     core = EngineCore(BASE.with_overrides({"max_num_seqs": 8, "long_prefill_token_threshold": 64}))
     core.add_request("alone", 1000, 1)
     assert core.step(0.0).num_prefill_tokens == 512
+
+
+def test_a_threshold_that_admits_every_long_prompt_leaves_priority_nothing_to_reorder() -> None:
+    # 8 long prompts x 256-token chunks fill the 2,048-token budget in one step: all 8 run, no
+    # queue forms, and the urgent short request waits for their prefills like everyone else.
+    def quiet_ttft(threshold: int) -> float:
+        profile = BASE.with_overrides(
+            {
+                "scheduling_policy": "priority",
+                "max_num_seqs": 32,
+                "max_num_batched_tokens": 2048,
+                "long_prefill_token_threshold": threshold,
+            }
+        )
+        core = EngineCore(profile)
+        for index in range(8):
+            core.add_request(f"long{index}", 1800, 4, arrival_time=0.0, priority=1)
+        first = core.step(0.0)
+        core.add_request("quiet", 50, 1, arrival_time=first.start, priority=0)
+        done = run(core, first.end)[1]
+        return done["quiet"].first_token_time - done["quiet"].arrival_time
+
+    assert quiet_ttft(256) > 3 * quiet_ttft(0)

@@ -50,3 +50,13 @@ def test_cpu_seconds_reads_this_process() -> None:
 def test_cli_rejects_unknown_engines(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert calibrate_sched.main(["--engines", "gpu", "--out", str(tmp_path)]) == 2
     assert "--engines" in capsys.readouterr().err
+
+
+def test_configs_parse_policy_and_threshold() -> None:
+    configs = calibrate_sched.parse_configs("fcfs:0, priority:256,priority")
+    assert [(c.policy, c.threshold) for c in configs] == [
+        ("fcfs", 0),
+        ("priority", 256),
+        ("priority", 0),
+    ]
+    assert configs[1].label == "priority, threshold 256"
