@@ -44,10 +44,11 @@ short-pool preset, one pinned core of this 2-core machine, calibrated with `extp
 calibrate` (table and method in docs/calibration.md): a step costs ~3 ms, ~1 ms per decode (the
 100k-token logits of a 128-wide model dominate) and ~22 us per prefill token; the API server
 adds ~6 ms per request; 32 sequences, 2,048 batched tokens, 128 KV blocks of 128 tokens, 16,384
-positions. Profile "fast" has ~1 ms steps for functional tests.
+positions; like the preset it runs the "priority" policy and a 256-token prefill threshold.
+Profile "fast" has ~1 ms steps for functional tests.
 
-Scheduler settings, named as vLLM's (every profile keeps vLLM's defaults; the pools the
-project ships pass `--scheduling-policy priority`): `scheduling_policy` "fcfs" (arrival order,
+Scheduler settings, named as vLLM's (a100-llama3-8b and fast keep vLLM's defaults; the pools
+the project ships pass `--scheduling-policy priority`): `scheduling_policy` "fcfs" (arrival order,
 the request's `priority` ignored) or "priority" (lowest value first; see
 gateway_lab.engine.model for the waiting-queue and preemption rules), and
 `long_prefill_token_threshold` (most prompt tokens of one request per step, 0 = off).
@@ -160,6 +161,8 @@ PROFILES: dict[str, EngineProfile] = {
         block_size=128,
         max_model_len=16384,
         frontend_s=0.006,
+        scheduling_policy="priority",
+        long_prefill_token_threshold=256,
     ),
     "fast": EngineProfile(
         name="fast",

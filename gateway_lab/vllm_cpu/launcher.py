@@ -68,7 +68,10 @@ class PoolPreset:
 
 # Short pool: many sequences, short context. Long pool: long context, few sequences. Both cap
 # the KV cache at 128 blocks of 128 tokens (16,384 tokens) so that load shows up in
-# vllm:kv_cache_usage_perc and vllm:num_requests_waiting as on a real GPU engine.
+# vllm:kv_cache_usage_perc and vllm:num_requests_waiting as on a real GPU engine. The short pool
+# caps a prompt at 256 tokens per step, so that a quiet request gets into the step beside a few
+# long prompts (docs/calibration.md: 407 -> 70-127 ms beside 4); the long pool, whose prompts
+# are all long, keeps whole-budget chunks.
 SHORT_POOL = PoolPreset(
     "short",
     max_model_len=2048,
@@ -76,6 +79,7 @@ SHORT_POOL = PoolPreset(
     max_num_batched_tokens=2048,
     cpu_bind="0",
     kv_cache_blocks=128,
+    long_prefill_token_threshold=256,
 )
 LONG_POOL = PoolPreset(
     "long",

@@ -17,7 +17,11 @@ async def test_priority_row_separates_fcfs_from_priority() -> None:
     medians = {}
     for policy in ("fcfs", "priority"):
         async with running_engine(
-            profile="cpu-tiny", frontend_s=0.0, scheduling_policy=policy, strict_model=False
+            profile="cpu-tiny",
+            frontend_s=0.0,
+            scheduling_policy=policy,
+            long_prefill_token_threshold=0,
+            strict_model=False,
         ) as engine:
             ttfts = await calibrate_sched.short_beside_longs(
                 engine.base_url, 8, 1, random.Random(1), long_priority=1

@@ -267,9 +267,30 @@ def test_lax_integer_priorities_are_served(engine: VllmServer, value: object) ->
     assert status == 200, reply
 
 
-def test_priority_lets_a_short_request_jump_queued_long_prompts(engine: VllmServer) -> None:
-    # The preset runs --scheduling-policy priority: with 8 long prompts (priority 1) queued,
-    # a short one at priority 0 starts within ~2 steps; at priority 1 it queues behind them.
+@pytest.fixture(scope="module")
+def unthresholded(
+    model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[VllmServer]:
+    """The short preset without its prefill threshold: 8 long prompts then leave a queue (with
+    256-token chunks all 8 would run at once and priority would have nothing to reorder)."""
+    from dataclasses import replace
+
+    preset = replace(SHORT_POOL, long_prefill_token_threshold=0)
+    server = start_server(model_dir, preset, free_port(), tmp_path_factory.mktemp("vllm-logs"))
+    try:
+        try:
+            server.wait_ready(STARTUP_TIMEOUT_S)
+        except VllmStartError as exc:
+            pytest.fail(str(exc))
+        yield server
+    finally:
+        server.stop()
+
+
+def test_priority_lets_a_short_request_jump_queued_long_prompts(unthresholded: VllmServer) -> None:
+    # --scheduling-policy priority: with 8 long prompts (priority 1) queued, a short one at
+    # priority 0 starts within ~2 steps; at priority 1 it queues behind them.
+    engine = unthresholded
     import asyncio
     import random
     import statistics
