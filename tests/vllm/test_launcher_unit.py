@@ -218,3 +218,9 @@ def test_preset_threshold_becomes_the_vllm_flag() -> None:
     ) == ("256")
     off = replace(SHORT_POOL, long_prefill_token_threshold=0)
     assert "--long-prefill-token-threshold" not in preset_command("/m", 1, off, python="py")
+
+
+def test_short_pool_caps_prefill_chunks_and_long_pool_does_not() -> None:
+    short = preset_command("/m", 1, SHORT_POOL, python="py")
+    assert _flag(short, "--long-prefill-token-threshold") == "256"
+    assert "--long-prefill-token-threshold" not in preset_command("/m", 1, LONG_POOL, python="py")
