@@ -7,7 +7,8 @@ The same workload runs directly (no gateway) against
 - **real**: one vLLM server with the short-pool preset
   (``gateway_lab.vllm_cpu.launcher.SHORT_POOL``:
   max-num-seqs 32, max-num-batched-tokens 2048, 128 KV blocks of 128 tokens, eager, worker
-  pinned to core 0) serving the tiny offline Llama, started with ``--vllm-python``;
+  pinned to core 0, scheduling policy priority, long-prefill-token-threshold 256) serving the
+  tiny offline Llama, started with ``--vllm-python``;
 - **emulated**: ``extproc engine --profile cpu-tiny`` in a subprocess (plus ``--set`` overrides).
 
 Workload, streamed ``/v1/completions`` with ``ignore_eos`` and continuous usage stats (the
@@ -121,6 +122,8 @@ def _start_real(args: argparse.Namespace, log_dir: Path, stack: contextlib.ExitS
         f"vllm-cpu short preset: max_num_seqs {SHORT_POOL.max_num_seqs}, "
         f"max_num_batched_tokens {SHORT_POOL.max_num_batched_tokens}, "
         f"{SHORT_POOL.kv_cache_blocks} KV blocks x 128, eager, worker on core {SHORT_POOL.cpu_bind}"
+        f", {SHORT_POOL.scheduling_policy} policy, prefill threshold "
+        f"{SHORT_POOL.long_prefill_token_threshold or 'off'}"
     )
     return Target("real", server.base_url, description, round(startup, 1))
 

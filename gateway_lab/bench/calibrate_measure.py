@@ -92,14 +92,19 @@ class EngineResult:
     """The machine's 1-minute load average when each round started (2 cores: 2.0 is full)."""
 
 
-def _prompt(rng: random.Random, tokens: int) -> list[int]:
+def random_prompt(rng: random.Random, tokens: int) -> list[int]:
     return [rng.randrange(*TOKEN_ID_RANGE) for _ in range(tokens)]
 
 
-async def _request(
-    session: aiohttp.ClientSession, url: str, prompt: list[int], max_tokens: int
+async def stream_completion(
+    session: aiohttp.ClientSession,
+    url: str,
+    prompt: list[int] | str,
+    max_tokens: int,
+    priority: int | None = None,
 ) -> Timing:
-    body = {
+    """One streamed `/v1/completions` request (vLLM `priority` if given) and its timing."""
+    body: dict[str, object] = {
         "model": MODEL,
         "prompt": prompt,
         "max_tokens": max_tokens,
@@ -107,6 +112,8 @@ async def _request(
         "stream": True,
         "stream_options": {"include_usage": True, "continuous_usage_stats": True},
     }
+    if priority is not None:
+        body["priority"] = priority
     start = time.perf_counter()
     first: float | None = None
     last = start
@@ -164,11 +171,12 @@ async def _level_round(
     """One closed-loop round: ``concurrency`` clients, each sending requests back to back."""
     per_client = max(2, math.ceil(work.min_requests_per_level / concurrency))
     prompts = [
-        [_prompt(rng, work.prompt_tokens) for _ in range(per_client)] for _ in range(concurrency)
+        [random_prompt(rng, work.prompt_tokens) for _ in range(per_client)]
+        for _ in range(concurrency)
     ]
 
     async def client(mine: list[list[int]]) -> list[Timing]:
-        return [await _request(session, url, p, work.output_tokens) for p in mine]
+        return [await stream_completion(session, url, p, work.output_tokens) for p in mine]
 
     start = time.perf_counter()
     results = await asyncio.gather(*(client(mine) for mine in prompts))
@@ -208,15 +216,18 @@ async def _interference_round(
     for _ in range(work.repeats):
         longs = [
             asyncio.create_task(
-                _request(
-                    session, url, _prompt(rng, work.long_prompt_tokens), work.long_output_tokens
+                stream_completion(
+                    session,
+                    url,
+                    random_prompt(rng, work.long_prompt_tokens),
+                    work.long_output_tokens,
                 )
             )
             for _ in range(long_count)
         ]
         await asyncio.sleep(work.long_head_start_s)
-        short = await _request(
-            session, url, _prompt(rng, work.short_prompt_tokens), work.short_output_tokens
+        short = await stream_completion(
+            session, url, random_prompt(rng, work.short_prompt_tokens), work.short_output_tokens
         )
         await asyncio.gather(*longs)
         ttfts.append(short)
@@ -264,9 +275,12 @@ async def _warm_up(
 ) -> None:
     """First requests pay one-off costs (allocation, lazy init) on both engines."""
     for _ in range(3):
-        await _request(session, url, _prompt(rng, work.prompt_tokens), 8)
+        await stream_completion(session, url, random_prompt(rng, work.prompt_tokens), 8)
     await asyncio.gather(
-        *(_request(session, url, _prompt(rng, work.prompt_tokens), 8) for _ in range(8))
+        *(
+            stream_completion(session, url, random_prompt(rng, work.prompt_tokens), 8)
+            for _ in range(8)
+        )
     )
 
 

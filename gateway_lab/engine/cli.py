@@ -1,7 +1,9 @@
 """`extproc engine`: run one emulated vLLM engine until SIGINT/SIGTERM.
 
 Every EngineProfile field can be overridden with a flag of the same name
-(`--max-num-seqs 64`, `--step-base-s 0.01`, ...). On start the engine prints one line,
+(`--max-num-seqs 64`, `--step-base-s 0.01`, ...); the scheduler's are named as vLLM's:
+`--scheduling-policy {fcfs,priority}`, `--long-prefill-token-threshold N`,
+`--max-num-batched-tokens N`. On start the engine prints one line,
 `engine <id> listening on http://host:port`, to stdout (useful with `--port 0`).
 """
 
@@ -22,18 +24,20 @@ from gateway_lab.engine.server import (
     EngineServer,
     running_engine,
 )
+from gateway_lab.engine.waiting import SCHEDULING_POLICIES
 
 __all__ = ["add_arguments", "main", "run", "running_engine"]
 
 DEFAULT_PROFILE = "a100-llama3-8b"
-_FIELD_TYPES: dict[str, type] = {"int": int, "float": float}
+_FIELD_TYPES: dict[str, type] = {"int": int, "float": float, "str": str}
+_FIELD_CHOICES: dict[str, tuple[str, ...]] = {"scheduling_policy": SCHEDULING_POLICIES}
 
 
 def _profile_fields() -> list[tuple[str, type]]:
     return [
         (f.name, _FIELD_TYPES[str(f.type)])
         for f in dataclasses.fields(EngineProfile)
-        if str(f.type) in _FIELD_TYPES
+        if str(f.type) in _FIELD_TYPES and f.name != "name"
     ]
 
 
@@ -72,7 +76,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
             dest=name,
             type=kind,
             default=None,
-            metavar=kind.__name__.upper(),
+            choices=_FIELD_CHOICES.get(name),
+            metavar=None if name in _FIELD_CHOICES else kind.__name__.upper(),
         )
 
 

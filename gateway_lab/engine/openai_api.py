@@ -7,9 +7,10 @@ from __future__ import annotations
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Any
+from typing import Annotated, Any
 
 import orjson
+import pydantic
 from aiohttp import web
 from aiohttp.typedefs import Handler
 
@@ -68,6 +69,42 @@ class Params:
     stream: bool
     include_usage: bool
     continuous_usage: bool
+    priority: int
+    """vLLM's request priority (lower first); the engine ignores it under "fcfs"."""
+
+
+# vLLM's request models declare `priority: int = Field(default=0, ge=INT64_MIN, le=INT64_MAX)`,
+# validated by pydantic in lax mode: "3", 3.0 and true are accepted as 3, 3, 1.
+_PRIORITY = pydantic.TypeAdapter(
+    Annotated[int, pydantic.Field(ge=-(2**63), le=2**63 - 1)]  # type: ignore[call-overload]
+)
+
+
+def _shown_input(value: object) -> str:
+    """The offending value as vLLM's handler echoes it: text, cut at 200 characters."""
+    if isinstance(value, (list, dict)):
+        return f"<{type(value).__name__} of {len(value)} items>"
+    text = value if isinstance(value, str) else str(value)
+    return text[:200] + "...[truncated]" if len(text) > 200 else text
+
+
+def priority_field(body: dict[str, Any]) -> int:
+    """The request's `priority`, or ApiError with the body vLLM's validation handler sends."""
+    if "priority" not in body:
+        return 0
+    try:
+        return int(_PRIORITY.validate_python(body["priority"]))
+    except pydantic.ValidationError as exc:
+        errors = exc.errors(include_url=False)
+        lines = []
+        for error in errors:
+            shown = dict(error)
+            shown["loc"] = "body.priority"
+            shown["input"] = _shown_input(shown["input"])
+            lines.append(f"  {shown}\n")
+        label = "error" if len(errors) == 1 else "errors"
+        message = (f"{len(errors)} validation {label}:\n" + "".join(lines)).rstrip()
+        raise ApiError(400, message, "Bad Request", "body.priority") from None
 
 
 def int_field(body: dict[str, Any], name: str) -> int | None:
@@ -156,6 +193,7 @@ def parse_request(
             raise ApiError(400, "'stream_options' must be an object", param="stream_options")
         include_usage = options.get("include_usage") is True
         continuous_usage = include_usage and options.get("continuous_usage_stats") is True
+    priority = priority_field(body)
     prefix = "chatcmpl-" if chat else "cmpl-"
     return Params(
         chat=chat,
@@ -167,6 +205,7 @@ def parse_request(
         stream=stream,
         include_usage=include_usage,
         continuous_usage=continuous_usage,
+        priority=priority,
     )
 
 

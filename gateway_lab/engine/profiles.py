@@ -44,7 +44,16 @@ short-pool preset, one pinned core of this 2-core machine, calibrated with `extp
 calibrate` (table and method in docs/calibration.md): a step costs ~3 ms, ~1 ms per decode (the
 100k-token logits of a 128-wide model dominate) and ~22 us per prefill token; the API server
 adds ~6 ms per request; 32 sequences, 2,048 batched tokens, 128 KV blocks of 128 tokens, 16,384
-positions. Profile "fast" has ~1 ms steps for functional tests.
+positions; like the preset it runs the "priority" policy and a 256-token prefill threshold.
+Profile "fast" has ~1 ms steps for functional tests.
+
+Scheduler settings, named as vLLM's (a100-llama3-8b and fast keep vLLM's defaults; the pools
+the project ships pass `--scheduling-policy priority`): `scheduling_policy` "fcfs" (arrival order,
+the request's `priority` ignored) or "priority" (lowest value first; see
+gateway_lab.engine.model for the waiting-queue and preemption rules), and
+`long_prefill_token_threshold` (most prompt tokens of one request per step, 0 = off).
+`max_num_partial_prefills` / `max_long_partial_prefills` are not modelled: vLLM V1 does not
+enforce them either.
 """
 
 from __future__ import annotations
@@ -54,6 +63,8 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
+
+from gateway_lab.engine.waiting import SCHEDULING_POLICIES
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,6 +82,10 @@ class EngineProfile:
     block_size: int = 16
     max_model_len: int = 8192
     frontend_s: float = 0.0
+    scheduling_policy: str = "fcfs"
+    """vLLM's `--scheduling-policy`: "fcfs" (arrival order, `priority` ignored) or "priority"."""
+    long_prefill_token_threshold: int = 0
+    """vLLM's `--long-prefill-token-threshold`: most prompt tokens of one request per step."""
 
     def __post_init__(self) -> None:
         for field in ("step_base_s", "step_per_decode_s", "step_per_prefill_token_s"):
@@ -81,6 +96,13 @@ class EngineProfile:
         for field in ("max_num_seqs", "max_num_batched_tokens", "kv_blocks", "block_size"):
             if getattr(self, field) < 1:
                 raise ValueError(f"{field} must be >= 1")
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise ValueError(
+                f"scheduling_policy must be one of {', '.join(SCHEDULING_POLICIES)}, "
+                f"got {self.scheduling_policy!r}"
+            )
+        if self.long_prefill_token_threshold < 0:
+            raise ValueError("long_prefill_token_threshold must be >= 0 (0 = off)")
         if self.max_model_len < 2:
             raise ValueError("max_model_len must be >= 2")
         # As vLLM refuses to start: one request of max_model_len tokens must fit in the cache,
@@ -139,6 +161,8 @@ PROFILES: dict[str, EngineProfile] = {
         block_size=128,
         max_model_len=16384,
         frontend_s=0.006,
+        scheduling_policy="priority",
+        long_prefill_token_threshold=256,
     ),
     "fast": EngineProfile(
         name="fast",

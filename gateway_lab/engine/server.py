@@ -11,7 +11,8 @@ max_tokens: `max_completion_tokens` (chat) or `max_tokens`; when absent, `defaul
 (256 unless configured) capped at max_model_len - prompt tokens. vLLM's own default is the whole
 remaining context, which makes run lengths unpredictable; pass a value to be exact.
 `n`, `temperature` and other sampling options are accepted and ignored; `min_tokens` and
-`ignore_eos` are validated and otherwise have no effect.
+`ignore_eos` are validated and otherwise have no effect. `priority` is validated as vLLM's
+pydantic model does and goes to the scheduler (which ignores it under "fcfs", as vLLM does).
 """
 
 from __future__ import annotations
@@ -265,7 +266,9 @@ class EngineServer:
         req_id = params.req_id
         self._pending[req_id] = entry
         try:
-            self.core.add_request(req_id, params.prompt_tokens, params.max_tokens, time.monotonic())
+            self.core.add_request(
+                req_id, params.prompt_tokens, params.max_tokens, time.monotonic(), params.priority
+            )
             self._wake.set()
             if params.stream:
                 return await self._stream(request, params, entry)

@@ -20,6 +20,8 @@ class RequestRecord:
     """Tokens the engine will generate (the trace's output, capped by max_tokens)."""
     max_tokens: int
     """max_tokens the client asked for: the scheduler reserves it and routing counts it."""
+    priority: int = 0
+    """vLLM's request priority (lower first) the engine gets; see TraceRequest.priority."""
     tier: str | None = None
     pool: str | None = None
     outcome: Outcome | None = None

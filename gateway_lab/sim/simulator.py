@@ -161,6 +161,7 @@ class Simulation:
                     input_tokens=request.input_tokens,
                     output_tokens=output,
                     max_tokens=max_tokens,
+                    priority=request.priority,
                 )
             )
         self._by_id = {record.request_id: record for record in self.records}
@@ -265,7 +266,9 @@ class Simulation:
             self._pump()
             return
         record.engine_at = now
-        core.add_request(record.request_id, record.input_tokens, record.output_tokens, now)
+        core.add_request(
+            record.request_id, record.input_tokens, record.output_tokens, now, record.priority
+        )
         if not replica.busy:
             self._kick(replica, now)
 

@@ -53,7 +53,9 @@ def saturation_throughput(
         raise ValueError(f"no request fits max_model_len {profile.max_model_len}")
     core = EngineCore(profile)
     for index, request in enumerate(chosen):
-        core.add_request(str(index), request.input_tokens, request.output_tokens)
+        core.add_request(
+            str(index), request.input_tokens, request.output_tokens, priority=request.priority
+        )
     now = 0.0
     marks: list[tuple[float, int, int, int]] = []
     """(time, completed, output tokens, input tokens) after each step that completed some."""

@@ -9,7 +9,9 @@ Recognised columns (case-insensitive, CSV header or JSONL keys):
   ``prompt_tokens``;
 - output tokens: ``GeneratedTokens`` (Azure), ``output_length`` (Mooncake), ``output_tokens``,
   ``completion_tokens``;
-- tenant (optional): ``tenant``, ``client``, ``client_id``, ``user``.
+- tenant (optional): ``tenant``, ``client``, ``client_id``, ``user``;
+- priority (optional): ``priority``, the integer vLLM request priority the engine schedules by
+  under ``scheduling_policy="priority"`` (lower first; absent = 0).
 
 Times become seconds from the first request; token counts are clamped to at least 1 (an engine
 needs one prompt token and generates at least one).
@@ -32,6 +34,7 @@ _TIME_KEYS = ("timestamp", "time", "arrival", "arrival_time", "timestamp_s", "ti
 _INPUT_KEYS = ("contexttokens", "input_length", "input_tokens", "prompt_tokens")
 _OUTPUT_KEYS = ("generatedtokens", "output_length", "output_tokens", "completion_tokens")
 _TENANT_KEYS = ("tenant", "client", "client_id", "user")
+_PRIORITY_KEYS = ("priority",)
 
 
 class TraceError(ValueError):
@@ -47,6 +50,8 @@ class TraceRequest:
     input_tokens: int
     output_tokens: int
     tenant: str | None = None
+    priority: int = 0
+    """vLLM's request priority (lower first), used by engines with the "priority" policy."""
 
     @property
     def total_tokens(self) -> int:
@@ -59,6 +64,7 @@ class _Columns:
     input: str
     output: str
     tenant: str | None
+    priority: str | None
     unit: Literal["s", "ms", "datetime"]
 
 
@@ -94,7 +100,14 @@ def _columns(keys: Iterable[str], sample: Mapping[str, Any], unit: TimeUnit, fil
         kind = "ms"  # Mooncake traces count milliseconds
     else:
         kind = "s"
-    return _Columns(time_key, input_key, output_key, _find(keys, _TENANT_KEYS), kind)
+    return _Columns(
+        time_key,
+        input_key,
+        output_key,
+        _find(keys, _TENANT_KEYS),
+        _find(keys, _PRIORITY_KEYS),
+        kind,
+    )
 
 
 def _is_number(text: str) -> bool:
@@ -150,22 +163,24 @@ def read_trace(path: str | Path, *, time_unit: TimeUnit = "auto") -> list[TraceR
     if not rows:
         raise TraceError(f"{path}: no requests")
     columns = _columns(rows[0][1].keys(), rows[0][1], time_unit, str(path))
-    raw: list[tuple[float, int, int, str | None]] = []
+    raw: list[tuple[float, int, int, str | None, int]] = []
     for number, row in rows:
         try:
             at = _time(row[columns.time], columns.unit)
             input_tokens = int(float(row[columns.input]))
             output_tokens = int(float(row[columns.output]))
+            priority_value = None if columns.priority is None else row.get(columns.priority)
+            priority = 0 if priority_value in (None, "") else int(priority_value)
         except (KeyError, TypeError, ValueError) as exc:
             raise TraceError(f"{path}:{number}: cannot read the request: {exc}") from None
         tenant = None
         if columns.tenant is not None:
             value = row.get(columns.tenant)
             tenant = None if value is None or value == "" else str(value)
-        raw.append((at, max(1, input_tokens), max(1, output_tokens), tenant))
+        raw.append((at, max(1, input_tokens), max(1, output_tokens), tenant, priority))
     raw.sort(key=lambda item: item[0])
     start = raw[0][0]
-    return [TraceRequest(at - start, i, o, t) for at, i, o, t in raw]
+    return [TraceRequest(at - start, i, o, t, p) for at, i, o, t, p in raw]
 
 
 def shape_trace(
@@ -213,4 +228,6 @@ def write_trace(path: str | Path, requests: Iterable[TraceRequest]) -> None:
             }
             if request.tenant is not None:
                 record["tenant"] = request.tenant
+            if request.priority:
+                record["priority"] = request.priority
             handle.write(json.dumps(record) + "\n")

@@ -48,6 +48,10 @@ class PoolPreset:
     ``max_model_len`` tokens plus the block vLLM keeps aside (``(blocks - 1) * 128 >=
     max_model_len``). ``enforce_eager`` skips torch.compile: the server starts in about
     26 s instead of 34 s (compile cache warm) or about 60 s (cold), and decodes about 10% slower.
+    ``scheduling_policy`` is vLLM's ``--scheduling-policy``: every pool the project ships runs
+    "priority" so that a request's ``priority`` field orders the engine's waiting queue (under
+    "fcfs" vLLM ignores it). ``long_prefill_token_threshold`` caps one request's prompt tokens
+    per step (0 = off); docs/calibration.md has the measurement behind each pool's value.
     """
 
     name: str
@@ -58,11 +62,16 @@ class PoolPreset:
     kv_cache_gib: int = 1
     kv_cache_blocks: int | None = None
     enforce_eager: bool = True
+    scheduling_policy: str = "priority"
+    long_prefill_token_threshold: int = 0
 
 
 # Short pool: many sequences, short context. Long pool: long context, few sequences. Both cap
 # the KV cache at 128 blocks of 128 tokens (16,384 tokens) so that load shows up in
-# vllm:kv_cache_usage_perc and vllm:num_requests_waiting as on a real GPU engine.
+# vllm:kv_cache_usage_perc and vllm:num_requests_waiting as on a real GPU engine. The short pool
+# caps a prompt at 256 tokens per step, so that a quiet request gets into the step beside a few
+# long prompts (docs/calibration.md: 407 -> 70-127 ms beside 4); the long pool, whose prompts
+# are all long, keeps whole-budget chunks.
 SHORT_POOL = PoolPreset(
     "short",
     max_model_len=2048,
@@ -70,6 +79,7 @@ SHORT_POOL = PoolPreset(
     max_num_batched_tokens=2048,
     cpu_bind="0",
     kv_cache_blocks=128,
+    long_prefill_token_threshold=256,
 )
 LONG_POOL = PoolPreset(
     "long",
@@ -105,6 +115,8 @@ def vllm_command(
     max_num_batched_tokens: int | None = None,
     kv_cache_blocks: int | None = None,
     enforce_eager: bool = False,
+    scheduling_policy: str | None = None,
+    long_prefill_token_threshold: int | None = None,
     host: str = LOOPBACK,
     python: str | None = None,
     extra_args: Sequence[str] = (),
@@ -143,6 +155,10 @@ def vllm_command(
         command += ["--num-gpu-blocks-override", str(kv_cache_blocks)]
     if enforce_eager:
         command.append("--enforce-eager")
+    if scheduling_policy is not None:
+        command += ["--scheduling-policy", scheduling_policy]
+    if long_prefill_token_threshold:
+        command += ["--long-prefill-token-threshold", str(long_prefill_token_threshold)]
     return command + list(extra_args)
 
 
@@ -336,6 +352,8 @@ def preset_command(
         max_num_batched_tokens=preset.max_num_batched_tokens,
         kv_cache_blocks=preset.kv_cache_blocks,
         enforce_eager=preset.enforce_eager,
+        scheduling_policy=preset.scheduling_policy,
+        long_prefill_token_threshold=preset.long_prefill_token_threshold,
         host=host,
         python=python,
         extra_args=extra_args,

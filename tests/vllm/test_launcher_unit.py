@@ -17,6 +17,7 @@ from gateway_lab.vllm_cpu.launcher import (
     VllmStartError,
     free_port,
     log_tail,
+    preset_command,
     stop_process_group,
     vllm_command,
     vllm_env,
@@ -171,3 +172,55 @@ def test_is_built_needs_the_marker(tmp_path: Path) -> None:
     target.mkdir(parents=True)
     (target / ".extproc-model").write_text("stale")
     assert not is_built(target)
+
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _vllm_argvs() -> dict[str, list[str]]:
+    """argv of every vLLM server the project ships: compose gpu pools, Kubernetes, presets."""
+    from ruamel.yaml import YAML
+
+    yaml = YAML(typ="safe")
+    argvs: dict[str, list[str]] = {}
+    compose = yaml.load((REPO / "docker-compose.yml").read_text())
+    for name, service in compose["services"].items():
+        if "vllm.entrypoints.openai.api_server" in service.get("entrypoint", []):
+            argvs[f"compose {name}"] = [str(arg) for arg in service["command"]]
+    for doc in yaml.load_all((REPO / "deploy/kubernetes/vllm-pools.yaml").read_text()):
+        if not doc or doc.get("kind") != "Deployment":
+            continue
+        for container in doc["spec"]["template"]["spec"]["containers"]:
+            if "vllm.entrypoints.openai.api_server" in container.get("command", []):
+                argvs[f"kubernetes {doc['metadata']['name']}"] = list(container["args"])
+    for preset in (SHORT_POOL, LONG_POOL):
+        argvs[f"preset {preset.name}"] = preset_command("/m", 8000, preset, python="py")
+    return argvs
+
+
+def test_every_shipped_vllm_pool_runs_priority_scheduling() -> None:
+    argvs = _vllm_argvs()
+    assert {"compose vllm-short", "compose vllm-long", "preset short", "preset long"} <= set(argvs)
+    assert sum(name.startswith("kubernetes ") for name in argvs) == 2
+    for name, argv in argvs.items():
+        joined = " ".join(argv)
+        assert "--scheduling-policy=priority" in argv or "--scheduling-policy priority" in joined, (
+            name
+        )
+
+
+def test_preset_threshold_becomes_the_vllm_flag() -> None:
+    from dataclasses import replace
+
+    capped = replace(SHORT_POOL, long_prefill_token_threshold=256)
+    assert _flag(
+        preset_command("/m", 1, capped, python="py"), "--long-prefill-token-threshold"
+    ) == ("256")
+    off = replace(SHORT_POOL, long_prefill_token_threshold=0)
+    assert "--long-prefill-token-threshold" not in preset_command("/m", 1, off, python="py")
+
+
+def test_short_pool_caps_prefill_chunks_and_long_pool_does_not() -> None:
+    short = preset_command("/m", 1, SHORT_POOL, python="py")
+    assert _flag(short, "--long-prefill-token-threshold") == "256"
+    assert "--long-prefill-token-threshold" not in preset_command("/m", 1, LONG_POOL, python="py")

@@ -7,6 +7,7 @@ offline into ``$EXTPROC_MODEL_CACHE`` (default ``~/.cache/extproc``) and reused.
 from __future__ import annotations
 
 import json
+import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -230,3 +231,81 @@ def test_metrics_expose_engine_state(engine: VllmServer) -> None:
     assert metric_value(after, "vllm:num_requests_running") == 0
     assert metric_value(after, "vllm:num_requests_waiting") == 0
     assert metric_value(after, "vllm:time_to_first_token_seconds_count") >= 1
+
+
+# ----------------------------------------------------------------------------- priority
+
+
+def _error_body(server: VllmServer, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+    try:
+        with urllib.request.urlopen(
+            _request(server, "/v1/completions", body), timeout=REQUEST_TIMEOUT_S
+        ) as resp:
+            return resp.status, json.loads(resp.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read())
+
+
+@pytest.mark.parametrize("value", ["high", 1.5, None, 2**63, [1]])
+def test_bad_priority_gets_the_body_the_emulator_sends(engine: VllmServer, value: object) -> None:
+    from gateway_lab.engine.openai_api import ApiError, priority_field
+
+    body = {"model": engine.served_model_name, "prompt": "hi", "max_tokens": 1, "priority": value}
+    status, reply = _error_body(engine, body)
+    with pytest.raises(ApiError) as emulated:
+        priority_field(body)
+    assert status == emulated.value.status == 400
+    assert reply["error"]["message"] == emulated.value.message
+    assert reply["error"]["type"] == emulated.value.err_type
+    assert reply["error"]["param"] == emulated.value.param
+
+
+@pytest.mark.parametrize("value", ["3", 2.0, True, -5])
+def test_lax_integer_priorities_are_served(engine: VllmServer, value: object) -> None:
+    body = {"model": engine.served_model_name, "prompt": "hi", "max_tokens": 1, "priority": value}
+    status, reply = _error_body(engine, body)
+    assert status == 200, reply
+
+
+@pytest.fixture(scope="module")
+def unthresholded(
+    model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[VllmServer]:
+    """The short preset without its prefill threshold: 8 long prompts then leave a queue (with
+    256-token chunks all 8 would run at once and priority would have nothing to reorder)."""
+    from dataclasses import replace
+
+    preset = replace(SHORT_POOL, long_prefill_token_threshold=0)
+    server = start_server(model_dir, preset, free_port(), tmp_path_factory.mktemp("vllm-logs"))
+    try:
+        try:
+            server.wait_ready(STARTUP_TIMEOUT_S)
+        except VllmStartError as exc:
+            pytest.fail(str(exc))
+        yield server
+    finally:
+        server.stop()
+
+
+def test_priority_lets_a_short_request_jump_queued_long_prompts(unthresholded: VllmServer) -> None:
+    # --scheduling-policy priority: with 8 long prompts (priority 1) queued, a short one at
+    # priority 0 starts within ~2 steps; at priority 1 it queues behind them.
+    engine = unthresholded
+    import asyncio
+    import random
+    import statistics
+
+    from gateway_lab.bench.calibrate_sched import short_beside_longs
+
+    rng = random.Random(3)
+
+    def median_ttft(short_priority: int) -> float:
+        ttfts = asyncio.run(
+            short_beside_longs(
+                engine.base_url, 8, 3, rng, long_priority=1, short_priority=short_priority
+            )
+        )
+        return statistics.median(ttfts)
+
+    urgent, equal = median_ttft(0), median_ttft(1)
+    assert urgent < 0.5 * equal, (urgent, equal)
