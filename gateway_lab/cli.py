@@ -16,6 +16,10 @@ BENCH_SCENARIOS = {
     "estimator": ("estimator", "token estimation error per content category"),
     "overhead": ("overhead", "CPU and latency cost against a do-nothing ext_proc floor"),
     "calibrate": ("calibrate", "emulator cpu-tiny profile against a real vLLM (CPU) engine"),
+    "calibrate-scheduling": (
+        "calibrate_sched",
+        "engine priority and long_prefill_token_threshold: emulator against vLLM (CPU)",
+    ),
     "noisy-neighbour": (
         "noisy",
         "a quiet tenant beside a flooder: FIFO, token bucket, full policy",

@@ -307,13 +307,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", type=Path, default=Path("results/calibration-sched"))
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m gateway_lab.bench.calibrate_sched",
-        description=(__doc__ or "").splitlines()[0],
-    )
-    add_arguments(parser)
-    args = parser.parse_args(argv)
+def main(args: argparse.Namespace) -> int:
     engines = [e.strip() for e in str(args.engines).split(",") if e.strip()]
     if not engines or not set(engines) <= {"real", "emulated"}:
         print("calibrate_sched: --engines takes real, emulated or both", file=sys.stderr)
@@ -330,4 +324,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    _parser = argparse.ArgumentParser(
+        prog="python -m gateway_lab.bench.calibrate_sched",
+        description=(__doc__ or "").splitlines()[0],
+    )
+    add_arguments(_parser)
+    sys.exit(main(_parser.parse_args()))

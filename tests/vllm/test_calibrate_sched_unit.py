@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import os
 import random
 import statistics
@@ -52,7 +53,10 @@ def test_cpu_seconds_reads_this_process() -> None:
 
 
 def test_cli_rejects_unknown_engines(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    assert calibrate_sched.main(["--engines", "gpu", "--out", str(tmp_path)]) == 2
+    parser = argparse.ArgumentParser()
+    calibrate_sched.add_arguments(parser)
+    args = parser.parse_args(["--engines", "gpu", "--out", str(tmp_path)])
+    assert calibrate_sched.main(args) == 2
     assert "--engines" in capsys.readouterr().err
 
 
