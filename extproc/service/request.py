@@ -126,6 +126,13 @@ class Settlement:
             # Cut short (client gone, upstream reset): charge what passed Envoy now; the
             # reconciler corrects it from the engine's counters (extproc.service.reconcile).
             input_tokens, output_tokens = request.prompt_estimate, output_seen
+            if engine is None and ledger is not None and pool is not None:
+                engine = ledger.sole_engine(pool)
+            if engine is None:
+                # No engine ever answered (the client left before the response headers, or
+                # Envoy answered itself) and none can correct it: the prompt is refunded
+                # rather than charged at its estimate for good.
+                input_tokens = 0
             if ledger is not None and engine is not None and pool is not None:
                 item = CutShort(
                     request.request_id, tenant, pool, input_tokens, output_tokens, time.monotonic()
