@@ -84,8 +84,9 @@ class Settlement:
     # -- the admission stream's end ---------------------------------------------------------
 
     def admission_ended(self, request: Request) -> None:
-        """The admission stream closed. Envoy closes it right after the response headers,
-        so unless the accounting stream took over, the request never reached an engine."""
+        """The admission stream closed. The service ends it right after the response headers
+        (extproc.service.server), so unless the accounting stream took over, the request never
+        reached an engine."""
         request.admission_ended_at = time.monotonic()
         if request.grant is not None and not request.accounting_attached and not request.released:
             request.released = self.admission.hand_off(
