@@ -195,10 +195,10 @@ class AdmissionProcessor:
             state.prompt_estimate = self.port.estimate_prompt(request.prompt)
             max_output = request.max_tokens or self.policy.source.gateway.default_max_tokens
             state.budget = state.prompt_estimate + max_output
+            state.pool = choose_pool(self.policy, state.budget)
             tokens_per_minute = self.policy.tenants[state.tenant].limits.tokens_per_minute
             if tokens_per_minute is not None and state.budget > tokens_per_minute:
                 raise never_fits_rate_limit(state.tenant, state.budget, tokens_per_minute)
-            state.pool = choose_pool(self.policy, state.budget)
             ticket = self._ticket(max_output)
         except GatewayError as error:
             yield self._reject(error)
