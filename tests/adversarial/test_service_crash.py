@@ -22,13 +22,15 @@ from tests.dataplane.test_admission import settled, tenants_view, wait_for_view
 pytestmark = pytest.mark.dataplane
 
 URL_PATH = "/v1/chat/completions"
+_LONG = 6_000
+"""Output tokens of the streamed response: long enough to be in flight through the crash."""
 
 
 @pytest.fixture
 def gateway(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningGateway]:
-    # One request at a time in the short pool: a second one is held at the door.
+    # One request at a time in the long pool: a second one is held at the door.
     def make(short: str, long_: str) -> str:
-        return policy_yaml(short, long_, short_inflight=1)
+        return policy_yaml(short, long_, long_inflight=1)
 
     with running_gateway(tmp_path_factory.mktemp("crash"), make) as running:
         yield running
@@ -86,12 +88,12 @@ async def test_streams_survive_a_service_crash_and_new_requests_wait_for_its_res
     async with aiohttp.ClientSession(timeout=timeout) as session:
         headers = {"authorization": f"Bearer {TEST_KEYS['globex']}"}
         streaming = await session.post(
-            gateway.base_url + URL_PATH, json=chat(1800, stream=True), headers=headers
+            gateway.base_url + URL_PATH, json=chat(_LONG, stream=True), headers=headers
         )
         assert streaming.status == 200
         first = await streaming.content.readline()
         assert first.startswith(b"data: ")
-        held = asyncio.ensure_future(post(session, gateway, chat(5, stream=False)))
+        held = asyncio.ensure_future(post(session, gateway, chat(3000, stream=False)))
         await wait_for_view(session, gateway, lambda view: view["tenants"]["globex"]["queued"] == 1)
 
         kill_service(gateway)
@@ -108,7 +110,7 @@ async def test_streams_survive_a_service_crash_and_new_requests_wait_for_its_res
             line[6:] for line in (first + rest).decode().splitlines() if line.startswith("data: ")
         ]
         assert events[-1] == "[DONE]"
-        assert orjson.loads(events[-2])["usage"]["completion_tokens"] == 1800
+        assert orjson.loads(events[-2])["usage"]["completion_tokens"] == _LONG
         streaming.release()
 
         await restarted(gateway)
@@ -119,7 +121,8 @@ async def test_streams_survive_a_service_crash_and_new_requests_wait_for_its_res
         # The restarted service knows nothing of the requests before it, and leaks nothing.
         view = await wait_for_view(session, gateway, settled)
         assert view["tenants"]["globex"]["inflight"] == 0
-        assert (await tenants_view(session, gateway))["pools"]["short"]["inflight"] == 0
+        pools = (await tenants_view(session, gateway))["pools"]
+        assert pools["short"]["inflight"] == 0 and pools["long"]["inflight"] == 0
 
 
 @pytest.mark.xfail(
