@@ -274,6 +274,7 @@ class AdmissionProcessor:
         )
 
     def on_response_headers(self, message: HttpHeaders) -> ProcessingResponse:
+        self.state.response_started = True
         grant = self.state.grant
         if grant is None:
             return responses.continue_response_headers(remove=(UPSTREAM_HEADER,))
