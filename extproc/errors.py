@@ -28,6 +28,8 @@ _ERROR_TYPE = {
     400: "invalid_request_error",
     401: "authentication_error",
     403: "permission_error",
+    404: "invalid_request_error",
+    405: "invalid_request_error",
     413: "invalid_request_error",
     429: "rate_limit_error",
     503: "service_unavailable",
@@ -74,4 +76,29 @@ def too_large(limit: int) -> GatewayError:
         413,
         f"request body exceeds the limit of {limit} bytes",
         "body_too_large",
+    )
+
+
+def not_found(message: str) -> GatewayError:
+    return GatewayError(Outcome.BAD_REQUEST, 404, message, "not_found")
+
+
+def method_not_allowed(path: str, allowed: str) -> GatewayError:
+    return GatewayError(
+        Outcome.BAD_REQUEST,
+        405,
+        f"{path} accepts {allowed} only",
+        "method_not_allowed",
+        headers={"allow": allowed},
+    )
+
+
+def never_fits_rate_limit(tenant: str, budget: int, tokens_per_minute: int) -> GatewayError:
+    """A budget above the tenant's whole token bucket: no wait makes it pass, so it is the
+    request that is wrong (400), not the moment (429)."""
+    return bad_request(
+        f"request needs {budget} tokens (prompt + max_tokens) but tenant {tenant!r} has "
+        f"tokens_per_minute {tokens_per_minute}: it can never pass; lower max_tokens or "
+        "shorten the prompt",
+        "budget_exceeds_rate_limit",
     )

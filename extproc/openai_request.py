@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from typing import Any
+from urllib.parse import unquote
 
 import orjson
 
@@ -12,6 +14,10 @@ from extproc.errors import bad_request
 CHAT_PATH = "/v1/chat/completions"
 COMPLETIONS_PATH = "/v1/completions"
 INFERENCE_PATHS = (CHAT_PATH, COMPLETIONS_PATH)
+MODELS_PATH = "/v1/models"
+# An encoded slash or backslash changes the path's segments once decoded: refused, as Envoy
+# does with `path_with_escaped_slashes_action: REJECT_REQUEST`.
+_ENCODED_SEPARATOR = re.compile("%(2f|5c)", re.IGNORECASE)
 
 
 @dataclass
@@ -125,7 +131,28 @@ def parse_inference_request(path: str, raw: bytes) -> InferenceRequest:
     )
 
 
+def normalise_path(path: str) -> str:
+    """The path as the routes and the engines read it, without the query string: percent
+    escapes decoded, backslashes as slashes, repeated slashes merged, `.` and `..` resolved
+    (never above the root). Case is kept: Envoy's routes and the engines match it exactly.
+    Raises GatewayError 400 for an encoded slash."""
+    base = path.split("?", 1)[0].split("#", 1)[0]
+    if _ENCODED_SEPARATOR.search(base):
+        raise bad_request("the path contains an encoded slash", "invalid_path")
+    decoded = unquote(base, errors="replace").replace("\\", "/")
+    segments: list[str] = []
+    for segment in decoded.split("/"):
+        if segment in ("", "."):
+            continue
+        if segment == "..":
+            if segments:
+                segments.pop()
+            continue
+        segments.append(segment)
+    trailing = "/" if decoded.endswith(("/", "/.", "/..")) and segments else ""
+    return "/" + "/".join(segments) + trailing
+
+
 def inference_path(path: str) -> str | None:
-    """The inference endpoint a request path names, ignoring any query string."""
-    base = path.split("?", 1)[0]
-    return base if base in INFERENCE_PATHS else None
+    """The inference endpoint a normalised path (normalise_path) names, if any."""
+    return path if path in INFERENCE_PATHS else None

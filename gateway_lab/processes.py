@@ -32,8 +32,9 @@ class Child:
     stop_timeout: float = 10.0
     """Seconds between SIGTERM and SIGKILL."""
 
-    def start(self) -> None:
-        log = self.log_path.open("wb")
+    def start(self, append: bool = False) -> None:
+        """Start the process; a restart appends to the log the earlier run wrote."""
+        log = self.log_path.open("ab" if append else "wb")
         self.process = subprocess.Popen(
             self.command, stdout=log, stderr=subprocess.STDOUT, env=self.env, start_new_session=True
         )
@@ -89,6 +90,73 @@ class Stack:
 
     def dead(self) -> Child | None:
         return next((c for c in self.children if not c.alive()), None)
+
+
+@dataclass(frozen=True)
+class RestartLimits:
+    """How often a crashed child is started again: at most `limit` restarts within
+    `window_s`, each after a delay that doubles from `backoff_s` up to `max_backoff_s`."""
+
+    limit: int = 5
+    window_s: float = 60.0
+    backoff_s: float = 0.5
+    max_backoff_s: float = 8.0
+
+
+class Supervisor:
+    """Keeps a stack running: a child that exits is started again after a backoff, unless it
+    is one whose death ends the stack (`fatal`, e.g. Envoy: its clients' connections go with
+    it) or it crashed more than the limits allow. `check()` is called in the caller's loop."""
+
+    def __init__(
+        self,
+        stack: Stack,
+        fatal: frozenset[str] = frozenset(),
+        limits: RestartLimits = RestartLimits(),
+        say: Callable[[str], None] = print,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.stack = stack
+        self.fatal = fatal
+        self.limits = limits
+        self.say = say
+        self.clock = clock
+        self.restarts: dict[str, list[float]] = {}
+        """Each child's restart times within the window."""
+        self._due: dict[str, float] = {}
+        """Children that exited, and when they start again."""
+
+    def check(self) -> Child | None:
+        """Restart what is due; the child that ends the stack, if one exited that must not
+        (or may no longer) be restarted."""
+        now = self.clock()
+        for child in self.stack.children:
+            if child.alive():
+                continue
+            due = self._due.get(child.name)
+            if due is None:
+                if child.name in self.fatal:
+                    return child
+                recent = [
+                    t for t in self.restarts.get(child.name, []) if now - t < self.limits.window_s
+                ]
+                self.restarts[child.name] = recent
+                if len(recent) >= self.limits.limit:
+                    return child
+                delay = min(self.limits.backoff_s * 2 ** len(recent), self.limits.max_backoff_s)
+                self._due[child.name] = now + delay
+                code = None if child.process is None else child.process.returncode
+                self.say(
+                    f"{child.name} exited (status {code}); restarting in {delay:.1f}s "
+                    f"(restart {len(recent) + 1} of {self.limits.limit} "
+                    f"in {self.limits.window_s:.0f}s)"
+                    f"\n{child.log_tail(10)}"
+                )
+            elif now >= due:
+                del self._due[child.name]
+                self.restarts[child.name].append(now)
+                child.start(append=True)
+        return None
 
 
 def http_ok(url: str, timeout: float = 1.0) -> bool:

@@ -22,7 +22,7 @@ from pathlib import Path
 from extproc.envoy_config import RenderOptions, split_host_port
 from extproc.policy import Policy, PolicyError, load_policy
 from gateway_lab.children import engine_child, envoy_child, extproc_child
-from gateway_lab.processes import STOP_FIRST, STOP_LAST, Stack, http_ok, wait_until
+from gateway_lab.processes import STOP_FIRST, STOP_LAST, Stack, Supervisor, http_ok, wait_until
 
 _LOOPBACK = {"127.0.0.1", "localhost", "::1"}
 _READY_TIMEOUT_S = 60.0
@@ -216,8 +216,9 @@ def run_up(args: argparse.Namespace) -> int:
             from gateway_lab.demo import run_demo
 
             return run_demo(f"http://{args.listen}")
+        supervisor = Supervisor(stack, fatal=frozenset({"envoy"}), say=_say)
         while not stopping:
-            dead = stack.dead()
+            dead = supervisor.check()
             if dead is not None:
                 print(
                     f"{dead.name} exited; stopping everything:\n{dead.log_tail()}", file=sys.stderr

@@ -22,9 +22,24 @@ from envoy.service.ext_proc.v3.external_processor_pb2 import (
 )
 
 from extproc.admission import Grant
-from extproc.errors import GatewayError, http_answer, too_large
+from extproc.errors import (
+    GatewayError,
+    bad_request,
+    http_answer,
+    method_not_allowed,
+    never_fits_rate_limit,
+    not_found,
+    too_large,
+)
 from extproc.identity import identify_tenant
-from extproc.openai_request import InferenceRequest, inference_path, parse_inference_request
+from extproc.openai_request import (
+    INFERENCE_PATHS,
+    MODELS_PATH,
+    InferenceRequest,
+    inference_path,
+    normalise_path,
+    parse_inference_request,
+)
 from extproc.routing import choose_pool
 from extproc.scheduler import Ticket
 from extproc.service import responses
@@ -68,6 +83,21 @@ def header_values(headers: HttpHeaders, *names: str) -> list[str | None]:
         if key in names:
             found[names.index(key)] = header.raw_value.decode("utf-8", "replace")
     return found
+
+
+def check_endpoint(method: str, path: str) -> None:
+    """The service's own allowlist, the same as Envoy's routes (extproc.envoy_routes), so a
+    request reaches an engine only admitted even behind an Envoy without them. `path` is
+    normalised (normalise_path). Raises GatewayError 404 / 405."""
+    if path in INFERENCE_PATHS:
+        if method != "POST":
+            raise method_not_allowed(path, "POST")
+    elif path == MODELS_PATH:
+        if method != "GET":
+            raise method_not_allowed(path, "GET")
+    else:
+        endpoints = " or ".join(f"POST {p}" for p in INFERENCE_PATHS)
+        raise not_found(f"no such endpoint: this gateway serves {endpoints} and GET {MODELS_PATH}")
 
 
 def _int_header(headers: dict[str, str], name: str) -> int | None:
@@ -119,8 +149,12 @@ class AdmissionProcessor:
         state = self.state
         headers = self._headers = header_map(message)
         self._method = headers.get(":method", "")
-        state.path = headers.get(":path", "")
+        # Without its query string, which may carry a secret (`?api_key=`): this is what the
+        # request log shows.
+        state.path = headers.get(":path", "").split("?", 1)[0]
         try:
+            state.path = normalise_path(state.path)
+            check_endpoint(self._method, state.path)
             state.tenant = identify_tenant(self.policy, headers)
             tenant = self.policy.tenants[state.tenant]
             state.tier = tenant.tier
@@ -131,12 +165,16 @@ class AdmissionProcessor:
         except GatewayError as error:
             return self._reject(error)
         if message.end_of_stream:
-            # No body (GET /v1/models, /health): identified, then passed to the default pool.
+            if inference_path(state.path) is not None:
+                return self._reject(bad_request("the request has no body", "missing_body"))
+            # GET /v1/models: identified, then passed to the default pool.
             state.outcome = Outcome.ADMITTED
             return responses.continue_request_headers(
                 *self._upstream_headers(), clear_route_cache=True
             )
-        return responses.continue_request_headers()
+        # The identified tenant now, the client's claims gone: what Envoy's access log shows
+        # if the body is rejected (the route is chosen again once the pool is known).
+        return responses.continue_request_headers(*self._upstream_headers())
 
     async def on_request_body(self, message: HttpBody) -> AsyncIterator[ProcessingResponse]:
         state = self.state
@@ -158,6 +196,9 @@ class AdmissionProcessor:
             max_output = request.max_tokens or self.policy.source.gateway.default_max_tokens
             state.budget = state.prompt_estimate + max_output
             state.pool = choose_pool(self.policy, state.budget)
+            tokens_per_minute = self.policy.tenants[state.tenant].limits.tokens_per_minute
+            if tokens_per_minute is not None and state.budget > tokens_per_minute:
+                raise never_fits_rate_limit(state.tenant, state.budget, tokens_per_minute)
             ticket = self._ticket(max_output)
         except GatewayError as error:
             yield self._reject(error)
@@ -233,6 +274,7 @@ class AdmissionProcessor:
         )
 
     def on_response_headers(self, message: HttpHeaders) -> ProcessingResponse:
+        self.state.response_started = True
         grant = self.state.grant
         if grant is None:
             return responses.continue_response_headers(remove=(UPSTREAM_HEADER,))

@@ -87,6 +87,14 @@ class EngineLedger:
         moment (Envoy names engines host:port by address: only such endpoints match)."""
         self._engine(endpoint, pool)
 
+    def sole_engine(self, pool: str) -> str | None:
+        """The pool's engine when it has exactly one, with a base: the one that served any of
+        the pool's requests, even one whose response never named it, and can correct it."""
+        endpoints = [endpoint for endpoint, engine in self.engines.items() if engine.pool == pool]
+        if len(endpoints) != 1 or self.engines[endpoints[0]].base_prompt is None:
+            return None
+        return endpoints[0]
+
     def completed(self, endpoint: str, pool: str, input_tokens: int, output_tokens: int) -> None:
         """A response ended with the engine's usage."""
         engine = self._engine(endpoint, pool)

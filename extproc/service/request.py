@@ -8,6 +8,7 @@ freed), and it is counted and logged once (`Settlement.record`), whichever strea
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import Callable
@@ -27,6 +28,10 @@ from extproc.types import Outcome
 
 request_log = logging.getLogger("extproc.request")
 
+ATTACH_GRACE_S = 10.0
+"""How long a request whose response started waits for its accounting stream to attach
+before its capacity is freed without one (that filter fails open)."""
+
 
 @dataclass
 class Request:
@@ -41,6 +46,8 @@ class Request:
     prompt_estimate: int = 0
     budget: int = 0
     grant: Grant | None = None
+    response_started: bool = False
+    """The admission stream answered the response headers: an engine has the request."""
     outcome: Outcome | None = None
     error: GatewayError | None = None
     # -- after the decision: written and read by this module only --------------------------
@@ -84,15 +91,33 @@ class Settlement:
     # -- the admission stream's end ---------------------------------------------------------
 
     def admission_ended(self, request: Request) -> None:
-        """The admission stream closed. Envoy closes it right after the response headers,
-        so unless the accounting stream took over, the request never reached an engine."""
+        """The admission stream closed. The service ends it right after the response headers
+        (extproc.service.server), so unless the accounting stream took over, the request never
+        reached an engine."""
         request.admission_ended_at = time.monotonic()
         if request.grant is not None and not request.accounting_attached and not request.released:
-            request.released = self.admission.hand_off(
-                request.grant, lambda: not (request.accounting_attached or request.released)
-            )
+            if request.response_started:
+                # The response is under way and its accounting stream, opened by Envoy at the
+                # same time, may not have reached us yet: its capacity stays taken meanwhile.
+                asyncio.get_running_loop().call_later(
+                    ATTACH_GRACE_S, self._unclaimed_after_grace, request
+                )
+                return
+            self._hand_off(request)
         if not (request.accounting_attached and not request.settled):
             self.record(request)  # otherwise settle() records, once the tokens are known
+
+    def _hand_off(self, request: Request) -> None:
+        assert request.grant is not None
+        request.released = self.admission.hand_off(
+            request.grant, lambda: not (request.accounting_attached or request.released)
+        )
+
+    def _unclaimed_after_grace(self, request: Request) -> None:
+        if request.accounting_attached or request.released:
+            return  # settle() releases and records it
+        self._hand_off(request)
+        self.record(request)
 
     def is_stale(self, request: Request, cutoff: float) -> bool:
         return request.admission_ended_at is not None and request.admission_ended_at < cutoff
@@ -126,6 +151,13 @@ class Settlement:
             # Cut short (client gone, upstream reset): charge what passed Envoy now; the
             # reconciler corrects it from the engine's counters (extproc.service.reconcile).
             input_tokens, output_tokens = request.prompt_estimate, output_seen
+            if engine is None and ledger is not None and pool is not None:
+                engine = ledger.sole_engine(pool)
+            if engine is None:
+                # No engine ever answered (the client left before the response headers, or
+                # Envoy answered itself) and none can correct it: the prompt is refunded
+                # rather than charged at its estimate for good.
+                input_tokens = 0
             if ledger is not None and engine is not None and pool is not None:
                 item = CutShort(
                     request.request_id, tenant, pool, input_tokens, output_tokens, time.monotonic()

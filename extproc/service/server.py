@@ -53,6 +53,11 @@ class ExternalProcessorService(ext_proc_grpc.ExternalProcessorServicer):  # type
                     yield processor.on_request_headers(request.request_headers)
                 elif request.HasField("response_headers"):
                     yield processor.on_response_headers(request.response_headers)
+                    # Nothing more is asked of this stream (response body and trailers are
+                    # not sent to it): end it now with OK, which Envoy takes as "processing
+                    # complete". Left open for the whole response, a crash of this process
+                    # would make Envoy reset every response in flight.
+                    return
                 elif request.HasField("response_body"):
                     yield ProcessingResponse(response_body=BodyResponse())
                 else:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import random
 from collections import Counter
 from collections.abc import Iterator
@@ -182,3 +183,64 @@ def engines_have_base(gateway: RunningGateway) -> Any:
         return endpoints <= set(view["state"]["reconciliation"]["engines_with_base"])
 
     return check
+
+
+async def engine_running(session: aiohttp.ClientSession, endpoint: str) -> float:
+    values = await scrape(session, f"http://{endpoint}/metrics")
+    return sum(v for k, v in values.items() if k[0] == "vllm:num_requests_running")
+
+
+async def test_clients_gone_before_the_response_are_counted_exactly(
+    gateway: RunningGateway,
+) -> None:
+    """A client that leaves after its admission, before the engine's response headers, is
+    charged what the engine used (its counters), not its prompt estimate for good."""
+    (engine,) = gateway.policy.pools["short"].endpoints
+    headers = {"authorization": f"Bearer {TEST_KEYS['globex']}"}
+    url = gateway.base_url + "/v1/chat/completions"
+    async with aiohttp.ClientSession() as session:
+        await wait_for_view(session, gateway, engines_have_base(gateway))
+        logged_before = len(request_log(gateway))
+        before = await scrape(session, gateway.admin_url + "/metrics")
+        engine_before = await scrape(session, f"http://{engine}/metrics")
+        for words in (5, 40, 80, 20):
+            body = {
+                "model": "m",
+                "messages": [{"role": "user", "content": "leave me " * words}],
+                "max_tokens": 1800,  # not streamed: the response headers come at the end
+            }
+            async with asyncio.timeout(10):  # the previous one is aborted at the engine
+                while await engine_running(session, engine):
+                    await asyncio.sleep(0.01)
+            sent = asyncio.ensure_future(session.post(url, json=body, headers=headers))
+            async with asyncio.timeout(10):
+                while not await engine_running(session, engine):
+                    assert not sent.done(), "the response came before the client could leave"
+            sent.cancel()  # the client leaves while the engine generates
+            with contextlib.suppress(asyncio.CancelledError):
+                await sent
+        view = await wait_for_view(session, gateway, settled_and_reconciled)
+        after = await scrape(session, gateway.admin_url + "/metrics")
+        engine_after = await scrape(session, f"http://{engine}/metrics")
+
+    def counted(direction: str) -> float:
+        key = ("extproc_tokens_total", ("direction", direction), ("tenant", "globex"))
+        return after.get(key, 0.0) - before.get(key, 0.0)
+
+    def engine_total(name: str) -> float:
+        return sum(v for k, v in engine_after.items() if k[0] == name) - sum(
+            v for k, v in engine_before.items() if k[0] == name
+        )
+
+    figures = {"reconciliation": view["state"]["reconciliation"]}
+    assert engine_total("vllm:generation_tokens_total") > 0, figures
+    assert counted("input") == engine_total("vllm:prompt_tokens_total"), figures
+    assert counted("output") == engine_total("vllm:generation_tokens_total"), figures
+    # Each one's log line, written once its accounting stream closed (Envoy keeps it open a
+    # little after the request ends), says its counts are the provisional ones.
+    async with asyncio.timeout(10):
+        while len(entries := request_log(gateway)[logged_before:]) < 4:
+            await asyncio.sleep(0.05)
+    assert [(e["outcome"], e["upstream_status"], e["tokens_provisional"]) for e in entries] == [
+        ("admitted", None, True)
+    ] * 4, entries

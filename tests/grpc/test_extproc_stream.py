@@ -16,9 +16,11 @@ from envoy.service.ext_proc.v3.external_processor_pb2 import (
 )
 
 from extproc.policy import policy_from_text
+from extproc.service import request as request_record
 from extproc.service.composition import compose
 from extproc.service.gateway import Gateway
 from extproc.service.processor import http_headers
+from extproc.service.roles import ACCOUNTING_ROLE, ROLE_METADATA
 from extproc.service.server import start_grpc_server
 from tests.conftest import TEST_KEYS, policy_yaml
 
@@ -206,3 +208,46 @@ async def test_disconnect_while_held_leaves_nothing_queued(service) -> None:  # 
     await first.call.code()
     snapshot = gateway.scheduler.snapshot()
     assert snapshot["pools"]["short"]["inflight"] == 0
+
+
+async def test_the_service_ends_the_admission_stream_after_the_response_headers(service) -> None:  # type: ignore[no-untyped-def]
+    """So a crash of the service cannot cut the response that follows (Envoy takes an OK end
+    as "processing complete"); the capacity stays taken until the accounting stream, which
+    may attach a moment later, settles the request."""
+    gateway, stub = service
+    peer = EnvoyPeer(stub)
+    await peer.send(headers_message("POST", "/v1/chat/completions", TEST_KEYS["globex"]))
+    forward = await peer.send(body_message(chat_body()))
+    request_id = set_headers(forward, "request_body")["x-gateway-request-id"]
+    response = ProcessingRequest(response_headers=http_headers([(":status", "200")]))
+    reply = await peer.send(response)
+    assert reply.WhichOneof("response") == "response_headers"
+    assert await asyncio.wait_for(peer.call.code(), 5) == grpc.StatusCode.OK
+    assert gateway.scheduler.snapshot()["pools"]["short"]["inflight"] == 1
+    upstream = [("x-gateway-request-id", request_id)]
+    accounting = stub.Process(
+        iter([
+            headers_message("POST", "/v1/chat/completions", TEST_KEYS["globex"], upstream),
+            ProcessingRequest(response_headers=http_headers([(":status", "200")])),
+        ]),
+        metadata=((ROLE_METADATA, ACCOUNTING_ROLE),),
+    )  # fmt: skip
+    assert await asyncio.wait_for(accounting.code(), 5) == grpc.StatusCode.OK
+    assert gateway.scheduler.snapshot()["pools"]["short"]["inflight"] == 0
+    await peer.close()
+
+
+async def test_capacity_is_freed_when_no_accounting_stream_attaches(service, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    gateway, stub = service
+    monkeypatch.setattr(request_record, "ATTACH_GRACE_S", 0.05)
+    peer = EnvoyPeer(stub)
+    await peer.send(headers_message("POST", "/v1/chat/completions", TEST_KEYS["globex"]))
+    await peer.send(body_message(chat_body()))
+    await peer.send(ProcessingRequest(response_headers=http_headers([(":status", "200")])))
+    assert await asyncio.wait_for(peer.call.code(), 5) == grpc.StatusCode.OK
+    for _ in range(200):  # the grace is 50 ms here
+        if gateway.scheduler.snapshot()["pools"]["short"]["inflight"] == 0:
+            break
+        await asyncio.sleep(0.005)
+    assert gateway.scheduler.snapshot()["pools"]["short"]["inflight"] == 0
+    await peer.close()

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from extproc.policy import load_policy
-from gateway_lab.processes import STOP_FIRST, STOP_LAST, Child, Stack
+from gateway_lab.processes import STOP_FIRST, STOP_LAST, Child, RestartLimits, Stack, Supervisor
 from gateway_lab.up import StackConfig, build_stack
 from tests.conftest import policy_yaml
 from tests.production.support import wait_for
@@ -97,6 +97,81 @@ def test_kill_does_not_wait_and_stop_then_returns_at_once(tmp_path: Path) -> Non
         stack.stop()
         assert time.monotonic() - began < 5
         assert not stack.children[0].alive()
+    finally:
+        stack.kill()
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def crash(stack: Stack, name: str, tmp_path: Path) -> Child:
+    target = next(c for c in stack.children if c.name == name)
+    (tmp_path / f"stops.txt.{name}.up").unlink()
+    assert target.process is not None
+    target.process.send_signal(signal.SIGKILL)
+    target.process.wait(10)
+    return target
+
+
+def test_a_crashed_service_or_engine_is_restarted_after_a_growing_backoff(tmp_path: Path) -> None:
+    stack = Stack([child(tmp_path, "engine-short", 1), child(tmp_path, "extproc", STOP_FIRST)])
+    clock, said = FakeClock(), []
+    limits = RestartLimits(limit=3, window_s=60.0, backoff_s=0.5, max_backoff_s=8.0)
+    supervisor = Supervisor(stack, limits=limits, say=said.append, clock=clock)
+    try:
+        started(stack, tmp_path)
+        (tmp_path / "extproc.log").write_text("the first run's last words\n")
+        service = crash(stack, "extproc", tmp_path)
+        assert supervisor.check() is None and not service.alive()
+        assert "extproc exited" in said[-1] and "restarting in 0.5s" in said[-1]
+        clock.now += 0.4
+        assert supervisor.check() is None and not service.alive()  # still backing off
+        clock.now += 0.1
+        assert supervisor.check() is None and service.alive()
+        wait_for((tmp_path / "stops.txt.extproc.up").exists, "extproc up again")
+        assert "the first run's last words" in (tmp_path / "extproc.log").read_text()
+        # The next crash waits twice as long; an engine is restarted the same way.
+        crash(stack, "extproc", tmp_path)
+        crash(stack, "engine-short", tmp_path)
+        assert supervisor.check() is None
+        notes = {line.split()[0]: line for line in said[-2:]}
+        assert "restarting in 1.0s" in notes["extproc"]
+        assert "restarting in 0.5s" in notes["engine-short"]
+        clock.now += 1.0
+        assert supervisor.check() is None and all(c.alive() for c in stack.children)
+    finally:
+        stack.kill()
+
+
+def test_restarts_stop_at_the_limit_and_envoy_ends_the_stack(tmp_path: Path) -> None:
+    stack = Stack([child(tmp_path, "extproc", STOP_FIRST), child(tmp_path, "envoy", STOP_LAST)])
+    clock = FakeClock()
+    limits = RestartLimits(limit=2, window_s=60.0, backoff_s=0.5, max_backoff_s=8.0)
+    supervisor = Supervisor(
+        stack, fatal=frozenset({"envoy"}), limits=limits, say=lambda _: None, clock=clock
+    )
+    try:
+        started(stack, tmp_path)
+        for _ in range(2):
+            service = crash(stack, "extproc", tmp_path)
+            assert supervisor.check() is None
+            clock.now += 10.0
+            assert supervisor.check() is None and service.alive()
+            wait_for((tmp_path / "stops.txt.extproc.up").exists, "extproc up again")
+        crash(stack, "extproc", tmp_path)
+        assert supervisor.check() is service  # a third crash within the window: give up
+        # Out of the window, the count starts again.
+        clock.now += 60.0
+        assert supervisor.check() is None
+        clock.now += 0.5
+        assert supervisor.check() is None and service.alive()
+        crash(stack, "envoy", tmp_path)
+        assert supervisor.check() is stack.children[1]
     finally:
         stack.kill()
 
