@@ -61,6 +61,7 @@ from envoy_data_plane.envoy.extensions.upstreams.http.v3 import (
 from envoy_data_plane.envoy.extensions.upstreams.http.v3 import (
     HttpProtocolOptionsExplicitHttpConfig,
 )
+from envoy_data_plane.envoy.type.v3 import HttpStatus, StatusCode
 from envoy_data_plane.google.protobuf import Any as AnyProto
 from envoy_data_plane.google.protobuf import Struct
 
@@ -172,6 +173,8 @@ def _admission_filter(policy: Policy) -> HttpFilter:
             timeout=_seconds(hold_cap),
         ),
         failure_mode_allow=False,
+        # The service unreachable: fail closed with a 503 (+ Retry-After, extproc.envoy_routes).
+        status_on_error=HttpStatus(code=StatusCode.ServiceUnavailable),
         processing_mode=ProcessingMode(
             request_header_mode=ProcessingModeHeaderSendMode.SEND,
             request_body_mode=ProcessingModeBodySendMode.BUFFERED,

@@ -59,6 +59,7 @@ from orjson import dumps
 
 from extproc.openai_request import INFERENCE_PATHS
 from extproc.policy import Policy
+from extproc.scheduler import retry_after
 from extproc.types import POOL_HEADER, UPSTREAM_HEADER
 
 MODELS_PATH = "/v1/models"
@@ -82,7 +83,12 @@ _ENVOY_ANSWERS = (
     (431, "request headers too large", "invalid_request_error", "headers_too_large"),
     (500, "gateway error", "api_error", "gateway_error"),
     (502, "upstream error", "api_error", "upstream_error"),
-    (503, "upstream unavailable", "service_unavailable", "upstream_unavailable"),
+    (
+        503,
+        "unavailable, retry shortly: %RESPONSE_CODE_DETAILS%",
+        "service_unavailable",
+        "unavailable",
+    ),
     (504, "upstream timed out", "service_unavailable", "upstream_timeout"),
 )
 
@@ -115,6 +121,12 @@ def _response_not_json() -> AccessLogFilter:
     )
 
 
+def _retry_after() -> list[HeaderValueOption]:
+    """Envoy's own 503s (the service down, say: the admission filter's status_on_error, or
+    no healthy engine) tell the client when to come back."""
+    return [_add_header("retry-after", str(retry_after.GATEWAY_UNAVAILABLE_S))]
+
+
 def local_replies() -> LocalReplyConfig:
     """Known statuses get their own type and code; any other non-JSON answer the last one."""
     mappers = [
@@ -123,6 +135,7 @@ def local_replies() -> LocalReplyConfig:
                 and_filter=AndFilter(filters=[_status_is(status), _response_not_json()])
             ),
             body_format_override=_json_format(openai_error(message, error_type, code)),
+            headers_to_add=_retry_after() if status == 503 else [],
         )
         for status, message, error_type, code in _ENVOY_ANSWERS
     ]

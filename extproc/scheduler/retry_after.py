@@ -30,6 +30,10 @@ admission is undone): another replica or the next policy may have it."""
 DRAINING_S = 5
 """The service is shutting down gracefully: long enough for the load balancer to move on."""
 
+GATEWAY_UNAVAILABLE_S = 2
+"""Envoy answers itself because the service or every engine of a pool cannot be reached (a
+crash being restarted, say): `extproc up` restarts a crashed child within 0.5-8 s."""
+
 STATE_UNAVAILABLE_S = 1
 """The shared state store cannot be reached (fail-closed mode): retry shortly."""
 

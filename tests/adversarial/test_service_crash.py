@@ -125,12 +125,6 @@ async def test_streams_survive_a_service_crash_and_new_requests_wait_for_its_res
         assert pools["short"]["inflight"] == 0 and pools["long"]["inflight"] == 0
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="Envoy's answer when ext_proc is unreachable is its status_on_error (500 by "
-    "default): a 503 with Retry-After needs the admission filter's status_on_error and a "
-    "local-reply mapper adding Retry-After (extproc/envoy_config.py, extproc/envoy_routes.py)",
-)
 async def test_requests_during_an_outage_get_an_openai_503_with_retry_after(
     gateway: RunningGateway,
 ) -> None:
