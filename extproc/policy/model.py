@@ -88,8 +88,9 @@ def default_headroom(max_inflight: int) -> int:
     """The headroom of a pool that does not set one: a quarter of max_inflight, at least 1
     and at most 8 (the tuned noisy-neighbour figure: docs/benchmarks.md), below max_inflight.
 
-    8 holds a light tenant's burst (3 requests/s of ~1 s each leave fewer than 8 in flight
-    99.6% of the time); a quarter keeps three quarters of a small static pool for the rest."""
+    8 holds a light tenant's bursts (at 3 requests/s of about 1 s each, Poisson arrivals
+    leave more than 8 in flight 0.4% of the time); a quarter keeps three quarters of a small
+    static pool for the backlogged tenants."""
     wanted = max(1, int(max_inflight * DEFAULT_HEADROOM_FRACTION))
     return max(0, min(DEFAULT_HEADROOM_MAX, wanted, max_inflight - 1))
 
