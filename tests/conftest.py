@@ -25,6 +25,10 @@ def policy_yaml(
     short_inflight: int = 64,
     long_inflight: int = 8,
 ) -> str:
+    """The pools run on one static limit (no headroom, no adaptive limit), which the tests
+    using this policy were written for; tests/unit/test_policy_defaults.py covers the
+    defaults."""
+    static = "\n    headroom: 0\n    adaptive: {enabled: false}"
     return f"""\
 version: 1
 tiers: [premium, standard, batch]
@@ -48,12 +52,12 @@ pools:
     max_total_tokens: 2048
     max_inflight: {short_inflight}
     max_inflight_tokens: 400000
-    endpoints: ["{short_endpoint}"]
+    endpoints: ["{short_endpoint}"]{static}
   long:
     max_total_tokens: 16384
     max_inflight: {long_inflight}
     max_inflight_tokens: 600000
-    endpoints: ["{long_endpoint}"]
+    endpoints: ["{long_endpoint}"]{static}
 {extra}"""
 
 

@@ -67,6 +67,8 @@ class AdaptiveLimit(StrictModel):
     """The pool's soft request limit follows its engines (vllm:num_requests_waiting,
     vllm:kv_cache_usage_perc), AIMD; see extproc/scheduler/adaptive.py."""
 
+    enabled: bool = True
+    """false: the static soft limit max_inflight - headroom."""
     min_inflight: PositiveInt = 4
     initial_inflight: PositiveInt | None = None
     target_waiting: Annotated[float, Field(ge=0)] = 1.0
@@ -78,15 +80,44 @@ class AdaptiveLimit(StrictModel):
     poll_interval: Duration = 0.1
 
 
+DEFAULT_HEADROOM_FRACTION = 0.25
+DEFAULT_HEADROOM_MAX = 8
+
+
+def default_headroom(max_inflight: int) -> int:
+    """The headroom of a pool that does not set one: a quarter of max_inflight, at least 1
+    and at most 8 (the tuned noisy-neighbour figure: docs/benchmarks.md), below max_inflight.
+
+    8 holds a light tenant's bursts (at 3 requests/s of about 1 s each, Poisson arrivals
+    leave more than 8 in flight 0.4% of the time); a quarter keeps three quarters of a small
+    static pool for the backlogged tenants."""
+    wanted = max(1, int(max_inflight * DEFAULT_HEADROOM_FRACTION))
+    return max(0, min(DEFAULT_HEADROOM_MAX, wanted, max_inflight - 1))
+
+
 class Pool(StrictModel):
     max_total_tokens: PositiveInt
     max_inflight: PositiveInt
     max_inflight_tokens: PositiveInt
     endpoints: Annotated[list[str], Field(min_length=1)]
-    headroom: NonNegativeInt = 0
+    headroom: NonNegativeInt | None = None
     """Requests above the soft limit (max_inflight - headroom) that only tenants below their
-    fair share may use, so a quiet tenant never waits for a whole flooder request."""
+    fair share may use, so a quiet tenant never waits for a whole flooder request. Omitted:
+    `default_headroom(max_inflight)`; 0: one limit."""
     adaptive: AdaptiveLimit | None = None
+    """Omitted: the soft limit follows the engines once they expose vLLM metrics, and stays
+    static until then. A section (`{}` or tuned) starts at `initial_inflight` at once;
+    `{enabled: false}`: static."""
+
+    @property
+    def effective_headroom(self) -> int:
+        """The headroom the pool runs with (always below max_inflight)."""
+        wanted = default_headroom(self.max_inflight) if self.headroom is None else self.headroom
+        return max(0, min(wanted, self.max_inflight - 1))
+
+    @property
+    def adaptive_enabled(self) -> bool:
+        return self.adaptive is None or self.adaptive.enabled
 
 
 class Fairness(StrictModel):

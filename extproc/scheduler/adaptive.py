@@ -71,6 +71,10 @@ class AdaptiveSettings:
     poll_interval_s: float = 0.1
     headroom: int = 0
     """Requests above the soft limit for tenants below their fair share."""
+    static_until_sampled: bool = False
+    """Hold the soft limit at its ceiling (the static limit) until the first engine sample,
+    then start from `initial_inflight`: the default for a pool without an `adaptive` section,
+    so that engines without vLLM metrics keep the static limit."""
 
     def __post_init__(self) -> None:
         if self.min_inflight < 1:
@@ -97,13 +101,15 @@ class AdaptiveSettings:
 
     @classmethod
     def from_pool(cls, pool: Pool) -> AdaptiveSettings | None:
-        """The pool's `adaptive` policy section, or None when it has none (static limits).
+        """The pool's adaptive settings, or None when `adaptive: {enabled: false}` (static).
 
-        Reads the policy fields if the policy model has them (`adaptive`, `headroom`)."""
-        section = getattr(pool, "adaptive", None)
-        if section is None:
+        A pool without an `adaptive` section gets the defaults, static until sampled."""
+        if not pool.adaptive_enabled:
             return None
-        raw = section.model_dump() if hasattr(section, "model_dump") else dict(section)
+        section = pool.adaptive
+        if section is None:
+            return cls(headroom=pool_headroom(pool), static_until_sampled=True)
+        raw = section.model_dump(exclude={"enabled"})
         renamed = {
             "cooldown": "cooldown_s",
             "poll_interval": "poll_interval_s",
@@ -132,18 +138,28 @@ class AimdLimit:
         self.settings = settings
         self.ceiling = max(1, ceiling)
         self.floor = min(settings.min_inflight, self.ceiling)
-        initial = settings.initial_inflight or min(16, self.ceiling)
-        self.limit = float(min(max(initial, self.floor), self.ceiling))
-        self.waiting_avg = 0.0
         self.last_sample_at: float | None = None
+        self.limit = float(self.ceiling) if self.static() else self.initial_limit()
+        self.waiting_avg = 0.0
         self.increases = 0
         self.decreases = 0
         self._cooldown_until = -math.inf
 
+    def initial_limit(self) -> float:
+        initial = self.settings.initial_inflight or min(16, self.ceiling)
+        return float(min(max(initial, self.floor), self.ceiling))
+
+    def static(self) -> bool:
+        """Still at the static limit: no engine sample yet (`static_until_sampled`)."""
+        return self.settings.static_until_sampled and self.last_sample_at is None
+
     def set_ceiling(self, ceiling: int) -> None:
         self.ceiling = max(1, ceiling)
         self.floor = min(self.settings.min_inflight, self.ceiling)
-        self.limit = min(max(self.limit, self.floor), self.ceiling)
+        if self.static():
+            self.limit = float(self.ceiling)
+        else:
+            self.limit = min(max(self.limit, self.floor), self.ceiling)
 
     def congested(self, sample: EngineSample) -> bool:
         return (
@@ -154,6 +170,8 @@ class AimdLimit:
     def observe(self, sample: EngineSample, peak_inflight: int) -> None:
         """Fold one sample in. `peak_inflight`: most requests admitted since the last one."""
         settings = self.settings
+        if self.static():
+            self.limit = self.initial_limit()
         alpha = settings.smoothing
         self.waiting_avg = alpha * sample.waiting + (1.0 - alpha) * self.waiting_avg
         self.last_sample_at = sample.at
@@ -259,10 +277,12 @@ class AdaptiveCapacity:
         limit = self.controller.limit
         self.settings = settings
         self.headroom = min(settings.headroom, max(0, self.pool_max_inflight - 1))
-        self.controller = AimdLimit(
-            replace(settings, initial_inflight=max(1, math.floor(limit))),
-            self.pool_max_inflight - self.headroom,
-        )
+        kept = settings
+        if not self.controller.static():
+            kept = replace(
+                settings, initial_inflight=max(1, math.floor(limit)), static_until_sampled=False
+            )
+        self.controller = AimdLimit(kept, self.pool_max_inflight - self.headroom)
 
     def describe(self) -> dict[str, int]:
         return {
@@ -282,8 +302,9 @@ class EngineCapacities:
     ones by pool name, for the engine watcher to feed.
 
     `overrides` set a pool's adaptive settings whatever its policy says (benchmarks, tests);
-    otherwise a pool with an `adaptive` policy section gets an AdaptiveCapacity and any other
-    pool a StaticCapacity, with its policy `headroom` unless `static_headroom` names one.
+    otherwise a pool gets an AdaptiveCapacity unless its policy says `adaptive: {enabled:
+    false}`, which gets a StaticCapacity, with its policy `headroom` unless `static_headroom`
+    names one.
     A pool keeps its kind (static or adaptive) across policy reloads until a restart."""
 
     def __init__(

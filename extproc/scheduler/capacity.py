@@ -9,11 +9,11 @@ Two request limits, a *soft* one and a *hard* one (docs/benchmarks.md, noisy nei
   `fits_headroom`.
 
 `StaticCapacity` takes both from the policy: hard = `max_inflight`, soft = `max_inflight -
-headroom` (`headroom` 0, the default, means one limit). `extproc.scheduler.adaptive.
-AdaptiveCapacity` moves the soft limit with the engines' `vllm:num_requests_waiting` and
-`vllm:kv_cache_usage_perc` (hard = soft + headroom). Token room (`max_inflight_tokens`) is
-one hard limit for both. `can_ever_fit` answers with the hard limits so that the scheduler
-rejects only requests that could never pass.
+headroom` (`headroom: 0` means one limit; omitted, it is sized from `max_inflight`).
+`extproc.scheduler.adaptive.AdaptiveCapacity` moves the soft limit with the engines'
+`vllm:num_requests_waiting` and `vllm:kv_cache_usage_perc` (hard = soft + headroom). Token
+room (`max_inflight_tokens`) is one hard limit for both. `can_ever_fit` answers with the hard
+limits so that the scheduler rejects only requests that could never pass.
 """
 
 from __future__ import annotations
@@ -24,9 +24,8 @@ from extproc.policy.model import Pool
 
 
 def pool_headroom(pool: Pool) -> int:
-    """The pool's headroom in requests (a policy field once the model has it; 0 until then)."""
-    value = getattr(pool, "headroom", 0)
-    return max(0, int(value)) if isinstance(value, int | float) else 0
+    """The pool's headroom in requests, its default resolved (`Pool.effective_headroom`)."""
+    return pool.effective_headroom
 
 
 class Capacity(Protocol):

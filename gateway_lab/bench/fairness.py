@@ -98,7 +98,8 @@ tenants:
   short: {{tier: standard, api_keys: ["{hash_key(KEYS["short"])}"], limits: {limits}}}
 pools:
   {scenario.POOL}: {{max_total_tokens: 131072, max_inflight: {work.max_inflight},
-          max_inflight_tokens: 1000000000, endpoints: ["{endpoint}"]}}
+          max_inflight_tokens: 1000000000, endpoints: ["{endpoint}"],
+          headroom: 0, adaptive: {{enabled: false}}}}
 fairness: {{policy: {arm.policy}, input_weight: {arm.input_weight},
            output_weight: {arm.output_weight}, quantum: 64}}
 estimation: {{mode: flat, default_bytes_per_token: 4.0}}

@@ -13,6 +13,8 @@ FIFO they queue inside the engine). One emulated A100 / Llama-3.1-8B engine
 * full: tiers + DRR fair share + capacity at the door: a soft limit that follows the engine's
   vllm:num_requests_waiting / vllm:kv_cache_usage_perc (AIMD) plus headroom reserved for
   tenants below their fair share;
+* plain: a plain policy, the pool with `max_inflight` (the engine's 256 sequences) and nothing
+  else: the defaults (headroom sized from the pool, adaptive soft limit) against `full`'s tuning;
 * soft-N: the same with a fixed soft limit N (and the same headroom): the trade-off curve.
 
 For each arm: the quiet tenant's P50/P99 time to the first streamed SSE data chunk and their
@@ -93,7 +95,7 @@ class Arm:
     flooder: bool
     warmup_s: float
     kind: str
-    """alone, fifo, bucket, full or soft."""
+    """alone, fifo, bucket, full, plain or soft."""
     max_inflight: int = 4096
     capacity: CapacityConfig = field(default_factory=CapacityConfig)
     flooder_rpm: int | None = None
@@ -104,10 +106,21 @@ class Arm:
         return "alone-direct" if self.path == "direct" else "alone-service"
 
 
+PLAIN_RATIO_OF_FULL = 1.25
+PLAIN_THROUGHPUT_OF_FULL = 0.95
+"""The defaults' target: the plain arm within 1.25x of full's quiet P99 ratio, at >= 95% of
+its throughput."""
+PLAIN_MAX_INFLIGHT = 256
+"""The plain arm's max_inflight: the engine's sequences (the profile's max_num_seqs)."""
+
+
 def policy_text(endpoint: str, arm: Arm) -> str:
     flooder_limits = "max_queued: 100000, max_queue_wait: 600s"
     if arm.flooder_rpm is not None:
         flooder_limits += f", requests_per_minute: {arm.flooder_rpm}"
+    # Every arm but `plain` says what capacity it runs (its CapacityConfig overrides these):
+    # the pool defaults would otherwise add headroom and an adaptive limit to all of them.
+    pinned = "" if arm.kind == "plain" else ",\n          headroom: 0, adaptive: {enabled: false}"
     return f"""\
 version: 1
 tiers: [premium, standard]
@@ -122,7 +135,7 @@ tenants:
     limits: {{{flooder_limits}}}
 pools:
   {scenario.POOL}: {{max_total_tokens: 131072, max_inflight: {arm.max_inflight},
-          max_inflight_tokens: 1000000000, endpoints: ["{endpoint}"]}}
+          max_inflight_tokens: 1000000000, endpoints: ["{endpoint}"]{pinned}}}
 fairness: {{policy: drr, input_weight: 1, output_weight: 2, quantum: 64}}
 estimation: {{mode: flat, default_bytes_per_token: 4.0}}
 gateway: {{default_max_tokens: 256, message_timeout: 10s}}
@@ -153,6 +166,7 @@ def plan_arms(timing: Timing, sweep: list[int], headroom: int) -> list[Arm]:
         Arm("fifo", "direct", True, timing.warmup_fifo_s, "fifo"),
         Arm("token-bucket", "service", True, timing.warmup_bucket_s, "bucket"),
         Arm("full", "service", True, timing.warmup_full_s, "full", 512, full),
+        Arm("plain", "service", True, timing.warmup_full_s, "plain", PLAIN_MAX_INFLIGHT),
     ]
     for soft in sweep:
         arms.append(
@@ -294,7 +308,8 @@ def compare(results: dict[str, dict[str, Any]]) -> dict[str, Any]:
             "total_tok_s": result["total_tok_s"],
             "throughput_vs_fifo": result["total_tok_s"] / fifo_tps,
         }
-    contenders = {n: r for n, r in rows.items() if results[n]["kind"] in ("full", "soft", "bucket")}
+    kinds = ("full", "plain", "soft", "bucket")
+    contenders = {n: r for n, r in rows.items() if results[n]["kind"] in kinds}
     at_target = {
         n: r for n, r in contenders.items() if r["throughput_vs_fifo"] >= TARGET_THROUGHPUT
     }
@@ -303,6 +318,14 @@ def compare(results: dict[str, dict[str, Any]]) -> dict[str, Any]:
         full
         and full["p99_ratio"] <= TARGET_RATIO
         and full["throughput_vs_fifo"] >= TARGET_THROUGHPUT
+    )
+
+    plain = rows.get("plain")
+    plain_met = bool(
+        full
+        and plain
+        and plain["p99_ratio"] <= PLAIN_RATIO_OF_FULL * full["p99_ratio"]
+        and plain["total_tok_s"] >= PLAIN_THROUGHPUT_OF_FULL * full["total_tok_s"]
     )
 
     def best(candidates: dict[str, dict[str, float]]) -> str | None:
@@ -316,6 +339,9 @@ def compare(results: dict[str, dict[str, Any]]) -> dict[str, Any]:
             "p99_ratio_max": TARGET_RATIO,
             "throughput_vs_fifo_min": TARGET_THROUGHPUT,
             "full_policy_met": met,
+            "plain_p99_ratio_of_full_max": PLAIN_RATIO_OF_FULL,
+            "plain_throughput_of_full_min": PLAIN_THROUGHPUT_OF_FULL,
+            "plain_policy_met": plain_met,
         },
         "best_at_95pct_throughput": best(at_target),
         "best_ratio_overall": best(contenders),
@@ -346,6 +372,15 @@ def print_table(summary: dict[str, Any], arms: list[Arm]) -> None:
             f"\ntarget: full-policy quiet P99 <= {TARGET_RATIO:.2f}x alone with total >= "
             f"{TARGET_THROUGHPUT:.0%} of FIFO: {verdict} "
             f"(P99 {full['p99_ratio']:.2f}x, throughput {full['throughput_vs_fifo']:.0%})"
+        )
+    plain = rows.get("plain")
+    if full is not None and plain is not None:
+        verdict = "met" if target["plain_policy_met"] else "NOT met"
+        print(
+            f"target: plain-policy quiet P99 ratio <= {PLAIN_RATIO_OF_FULL:.2f}x full's with "
+            f"total >= {PLAIN_THROUGHPUT_OF_FULL:.0%} of full's: {verdict} "
+            f"(P99 ratio {plain['p99_ratio'] / full['p99_ratio']:.2f}x full's, "
+            f"throughput {plain['total_tok_s'] / full['total_tok_s']:.0%} of full's)"
         )
     for label, key in (
         ("best P99 ratio at >= 95% of FIFO", "best_at_95pct_throughput"),

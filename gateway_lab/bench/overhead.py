@@ -42,9 +42,9 @@ tenants:
     limits: {limits}
 pools:
   short: {{max_total_tokens: 8192, max_inflight: 4096, max_inflight_tokens: 100000000,
-           endpoints: ["{short}"]}}
+           endpoints: ["{short}"], headroom: 0, adaptive: {{enabled: false}}}}
   long: {{max_total_tokens: 131072, max_inflight: 64, max_inflight_tokens: 100000000,
-          endpoints: ["{long_}"]}}
+          endpoints: ["{long_}"], headroom: 0, adaptive: {{enabled: false}}}}
 """
 
 

@@ -84,6 +84,7 @@ def derived_pool(engines: PoolEngines, max_total_tokens: int | None = None) -> P
         max_inflight=engines.replicas * profile.max_num_seqs,
         max_inflight_tokens=engines.replicas * profile.kv_tokens,
         endpoints=[f"sim-{engines.name}-{i}:0" for i in range(engines.replicas)],
+        headroom=0,  # every slot the replicas batch, for whoever is next
     )
 
 

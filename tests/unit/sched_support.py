@@ -53,7 +53,9 @@ def make_policy(
         lines.append(f"  {name}: {_flow(spec)}")
     lines.append("pools:")
     for name, spec in pools.items():
-        full = {"max_total_tokens": 1_000_000, "endpoints": ['"127.0.0.1:1"'], **spec}
+        # One request limit: these suites pin the admission order; headroom has its own tests.
+        full = {"max_total_tokens": 1_000_000, "endpoints": ['"127.0.0.1:1"'], "headroom": 0}
+        full.update(spec)
         lines.append(f"  {name}: {_flow(full)}")
     lines.append(
         f"fairness: {{policy: {fairness}, quantum: {quantum}, "

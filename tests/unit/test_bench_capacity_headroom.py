@@ -26,7 +26,7 @@ tenants:
   other: {{tier: gold, limits: {{max_queued: 1000}}}}
 pools:
   p: {{max_total_tokens: 100000, max_inflight: {max_inflight}, max_inflight_tokens: 10000000,
-       endpoints: ["127.0.0.1:1"]}}
+       endpoints: ["127.0.0.1:1"], headroom: 0, adaptive: {{enabled: false}}}}
 """
 
 
@@ -139,36 +139,10 @@ def test_settings_from_mapping_reject_unknown_keys() -> None:
         AdaptiveSettings(decrease=1.5)
 
 
-def test_settings_from_the_proposed_policy_fields() -> None:
-    """The `pools.NAME.adaptive` / `headroom` fields proposed for extproc/policy/model.py
-    (copied here until the model has them) map onto AdaptiveSettings."""
-    from typing import Annotated
-
-    from pydantic import Field
-
-    from extproc.policy.model import (
-        Duration,
-        NonNegativeInt,
-        PositiveFloat,
-        PositiveInt,
-        StrictModel,
-    )
-    from extproc.policy.model import Pool as BasePool
-
-    class AdaptiveLimit(StrictModel):
-        min_inflight: PositiveInt = 4
-        initial_inflight: PositiveInt | None = None
-        target_waiting: Annotated[float, Field(ge=0)] = 1.0
-        kv_target: Annotated[float, Field(gt=0, le=1)] = 0.9
-        increase: PositiveFloat = 1.0
-        decrease: Annotated[float, Field(gt=0, lt=1)] = 0.9
-        cooldown: Duration = 1.0
-        smoothing: Annotated[float, Field(gt=0, le=1)] = 0.3
-        poll_interval: Duration = 0.1
-
-    class Pool(BasePool):
-        headroom: NonNegativeInt = 0
-        adaptive: AdaptiveLimit | None = None
+def test_settings_from_the_policy_fields() -> None:
+    """The `pools.NAME.adaptive` / `headroom` fields of extproc/policy/model.py map onto
+    AdaptiveSettings."""
+    from extproc.policy.model import Pool
 
     pool = Pool.model_validate(
         {
@@ -187,7 +161,7 @@ def test_settings_from_the_proposed_policy_fields() -> None:
     assert isinstance(capacity, AdaptiveCapacity) and capacity.hard_limit() == 16 + 6
     static = Pool.model_validate(
         {"max_total_tokens": 8192, "max_inflight": 64, "max_inflight_tokens": 100000,
-         "endpoints": ["127.0.0.1:1"], "headroom": 6},
+         "endpoints": ["127.0.0.1:1"], "headroom": 6, "adaptive": {"enabled": False}},
         strict=False,
     )  # fmt: skip
     assert AdaptiveSettings.from_pool(static) is None

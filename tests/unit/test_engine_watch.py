@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 from collections.abc import AsyncIterator, Mapping
 
+import pytest
 from aiohttp import web
 
 from extproc.policy import policy_from_text
@@ -187,3 +188,58 @@ async def test_an_unsubscribed_subscriber_gets_no_reading_from_a_fetch_under_way
         await asyncio.wait_for(staying.got, 10.0)
         await poller.stop()
     assert leaving.asked and not leaving.got.done()
+
+
+@contextlib.asynccontextmanager
+async def page_server(text: str) -> AsyncIterator[str]:
+    """A server whose /metrics answers `text`."""
+
+    async def metrics(_request: web.Request) -> web.Response:
+        return web.Response(text=text)
+
+    app = web.Application()
+    app.router.add_get("/metrics", metrics)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    try:
+        yield f"127.0.0.1:{runner.addresses[0][1]}"
+    finally:
+        await runner.cleanup()
+
+
+async def test_a_default_pool_stays_static_until_its_engines_expose_vllm_metrics() -> None:
+    """No `adaptive` key: engines that do not answer or are not vLLM's leave the static limit
+    (max_inflight - default headroom); a vLLM page starts the adaptive limit from 16."""
+    policy = policy_from_text(
+        """\
+version: 1
+tiers: [gold]
+tenants:
+  t: {tier: gold}
+pools:
+  p: {max_total_tokens: 8192, max_inflight: 32, max_inflight_tokens: 1000000,
+      endpoints: ["127.0.0.1:9"]}
+"""
+    )
+    capacities = EngineCapacities()
+    clock = ManualClock(0.0)
+    Scheduler(policy, clock, capacity_factory=capacities.factory)
+    capacity = capacities.adaptive["p"]
+    assert (capacity.soft_limit(), capacity.hard_limit()) == (24, 32)
+    async with page_server("process_cpu_seconds_total 1.0\n") as other, page_server(PAGE) as vllm:
+        endpoints = {"p": ["127.0.0.1:9", other]}
+        poller = EnginePoller()
+        watcher = EngineWatcher(
+            capacities, lambda: endpoints, clock, lambda: None, poller, timeout_s=0.5
+        )
+        assert await watcher.poll_once() == {}
+        assert watcher.failures == 2 and capacity.soft_limit() == 24
+        endpoints["p"] = [vllm]
+        samples = await watcher.poll_once()
+        await poller.stop()
+    assert samples["p"].waiting == 4.0
+    # Started at 16 and backed off at once: 4 waiting (smoothed 0.3 x 4 = 1.2 > 1) x 0.9.
+    assert capacity.limit == pytest.approx(16 * 0.9)
+    assert (capacity.soft_limit(), capacity.hard_limit()) == (14, 22)

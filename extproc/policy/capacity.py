@@ -1,0 +1,119 @@
+"""What each pool's capacity settings resolve to, and the settings that leave light tenants
+unprotected (`extproc policy check`).
+
+A pool has a soft request limit (`max_inflight - headroom`, or the adaptive limit that follows
+the engines) and a hard one (`max_inflight`); only tenants within their fair share may use the
+headroom between them (extproc/scheduler/capacity.py, adaptive.py). Without headroom a light
+tenant waits for a backlogged tenant's request to finish whenever the soft limit is full; with
+a static soft limit above what the engines batch, it waits in the engines' own FIFO queue.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from extproc.policy.model import DEFAULT_HEADROOM_MAX, PolicyFile, Pool
+
+ADAPTIVE_INITIAL_MAX = 16
+"""The adaptive limit's start without `initial_inflight` (extproc.scheduler.adaptive)."""
+
+
+@dataclass(frozen=True)
+class CapacityWarning:
+    pool: str
+    field: str
+    """The key it is about, as a path: pools.NAME.headroom."""
+    message: str
+
+    def __str__(self) -> str:
+        return f"{self.field}: warning: {self.message}"
+
+
+def _headroom_origin(pool: Pool) -> str:
+    if pool.headroom is None:
+        return f"default: a quarter of max_inflight, 1..{DEFAULT_HEADROOM_MAX}"
+    if pool.headroom != pool.effective_headroom:
+        return f"set {pool.headroom}, clamped below max_inflight"
+    return "set"
+
+
+def _adaptive_line(pool: Pool, soft: int, shared_state: bool) -> str:
+    if not pool.adaptive_enabled:
+        return f"soft limit {soft} static (adaptive: {{enabled: false}})"
+    if shared_state:
+        return f"soft limit {soft} static (adaptive does not apply with state.backend: redis)"
+    section = pool.adaptive
+    floor = min(section.min_inflight if section else 4, soft)
+    if section is None:
+        return (
+            f"soft limit adaptive (default) in [{floor}, {soft}]: follows the engines' vLLM "
+            f"metrics, static {soft} until they expose them"
+        )
+    start = section.initial_inflight or min(ADAPTIVE_INITIAL_MAX, soft)
+    start = min(max(start, floor), soft)
+    return f"soft limit adaptive in [{floor}, {soft}], starting at {start}"
+
+
+def describe_pools(source: PolicyFile) -> list[str]:
+    """One line per pool: the capacity it runs with, defaults resolved."""
+    shared_state = source.state.backend == "redis"
+    lines = []
+    for name, pool in source.pools.items():
+        headroom = pool.effective_headroom
+        soft = pool.max_inflight - headroom
+        lines.append(
+            f"pool {name}: max_inflight {pool.max_inflight} (hard limit), "
+            f"headroom {headroom} ({_headroom_origin(pool)}), "
+            f"{_adaptive_line(pool, soft, shared_state)}"
+        )
+    return lines
+
+
+def capacity_warnings(source: PolicyFile) -> list[CapacityWarning]:
+    """Settings under which a light tenant waits behind a backlogged one."""
+    shared_state = source.state.backend == "redis"
+    out: list[CapacityWarning] = []
+    for name, pool in source.pools.items():
+        adaptive = pool.adaptive_enabled and not shared_state
+        field = f"pools.{name}.headroom"
+        if pool.headroom is not None and pool.headroom >= pool.max_inflight:
+            out.append(
+                CapacityWarning(
+                    name,
+                    field,
+                    f"headroom {pool.headroom} >= max_inflight {pool.max_inflight}: it is "
+                    f"clamped to {pool.effective_headroom}, leaving a soft limit of "
+                    f"{pool.max_inflight - pool.effective_headroom} for every backlogged tenant",
+                )
+            )
+        if pool.effective_headroom == 0 and not adaptive:
+            why = "max_inflight 1 leaves no room for it" if pool.max_inflight == 1 else "headroom 0"
+            out.append(
+                CapacityWarning(
+                    name,
+                    field,
+                    f"{why} with a static soft limit: a light tenant waits for a backlogged "
+                    "tenant's request to finish, and in the engines' queue if max_inflight is "
+                    "above what they batch (omit headroom and adaptive for the defaults)",
+                )
+            )
+        elif pool.effective_headroom == 0:
+            out.append(
+                CapacityWarning(
+                    name,
+                    field,
+                    "headroom 0: whenever the soft limit is full a light tenant waits for a "
+                    "backlogged tenant's request to finish (omit headroom for the default)",
+                )
+            )
+        if pool.adaptive is not None and pool.adaptive.enabled and shared_state:
+            out.append(
+                CapacityWarning(
+                    name,
+                    f"pools.{name}.adaptive",
+                    "adaptive does not apply with state.backend: redis: the soft limit is the "
+                    f"static {pool.max_inflight - pool.effective_headroom}; set max_inflight to "
+                    "what the engines batch",
+                )
+            )
+    return out
