@@ -23,6 +23,9 @@ from envoy_data_plane.envoy.config.cluster.v3 import (
     Cluster,
     ClusterDiscoveryType,
 )
+from envoy_data_plane.envoy.config.common.mutation_rules.v3 import (
+    HeaderMutation as HeaderMutationRule,
+)
 from envoy_data_plane.envoy.config.core.v3 import (
     Address,
     GrpcService,
@@ -47,6 +50,10 @@ from envoy_data_plane.envoy.extensions.filters.http.ext_proc.v3 import (
     ProcessingMode,
     ProcessingModeBodySendMode,
     ProcessingModeHeaderSendMode,
+)
+from envoy_data_plane.envoy.extensions.filters.http.header_mutation.v3 import (
+    HeaderMutation,
+    Mutations,
 )
 from envoy_data_plane.envoy.extensions.filters.http.router.v3 import Router
 from envoy_data_plane.envoy.extensions.filters.network.http_connection_manager.v3 import (
@@ -74,6 +81,7 @@ from extproc.envoy_routes import (
 from extproc.policy import Policy
 from extproc.policy.hold import MAX_HOLD_S, envoy_hold_limit
 from extproc.service.roles import ACCOUNTING_ROLE, ROLE_METADATA
+from extproc.types import OWNED_HEADERS
 
 EXTPROC_CLUSTER = "extproc"
 _HTTP2_OPTIONS_KEY = "envoy.extensions.upstreams.http.v3.HttpProtocolOptions"
@@ -163,6 +171,18 @@ def _cluster(name: str, endpoints: list[str], http2: bool) -> Cluster:
         )
         cluster.typed_extension_protocol_options = {_HTTP2_OPTIONS_KEY: AnyProto.pack(options)}
     return cluster
+
+
+def _strip_owned_headers() -> HttpFilter:
+    """Client copies of the headers the gateway owns are gone before any filter or log sees
+    them; the admission stream sets the gateway's own (and removes copies itself too, for an
+    Envoy configured without this filter)."""
+    config = HeaderMutation(
+        mutations=Mutations(
+            request_mutations=[HeaderMutationRule(remove=name) for name in OWNED_HEADERS]
+        )
+    )
+    return HttpFilter(name="envoy.filters.http.header_mutation", typed_config=AnyProto.pack(config))
 
 
 def _admission_filter(policy: Policy) -> HttpFilter:
@@ -265,7 +285,11 @@ def build_bootstrap(policy: Policy, options: RenderOptions) -> Bootstrap:
         # answer, instead of a reset after Envoy's default 1 s.
         delayed_close_timeout=_seconds(5.0),
         http_filters=[
-            *([_admission_filter(policy), _accounting_filter()] if options.extproc_filters else []),
+            *(
+                [_strip_owned_headers(), _admission_filter(policy), _accounting_filter()]
+                if options.extproc_filters
+                else []
+            ),
             HttpFilter(name="envoy.filters.http.router", typed_config=AnyProto.pack(Router())),
         ],
         local_reply_config=local_replies(),

@@ -12,7 +12,7 @@ from __future__ import annotations
 from extproc.policy.model import Limits, PolicyFile
 
 HOLD_MARGIN_S = 5.0
-"""Kept equal to extproc.service.processor._HOLD_MARGIN_S."""
+"""Beyond the queue wait, for the answer to arrive (extproc.service.processor uses hold_needed)."""
 MAX_HOLD_S = 3600.0
 _ENVOY_MARGIN_S = 30.0
 _DEFAULT_WAIT_S = 30.0

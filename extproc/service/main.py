@@ -255,6 +255,7 @@ class Service:
         self.metrics = metrics or Metrics()
         self.gateway: Gateway | None = None
         self.engine_watch: EngineWatcher | None = None
+        self._sighup_reloads: set[asyncio.Task[object]] = set()
         self.server: grpc.aio.Server | None = None
         self.grpc_port = 0
         self.admin_port = 0
@@ -277,7 +278,10 @@ class Service:
 
     def _on_sighup(self) -> None:
         if self.reloader is not None and not self.admin.draining:
-            self.reloader.reload("sighup")
+            # Parsed off the event loop, like the watcher's and POST /v1/reload's reloads.
+            task = asyncio.get_running_loop().create_task(self.reloader.reload_async("sighup"))
+            self._sighup_reloads.add(task)
+            task.add_done_callback(self._sighup_reloads.discard)
         else:
             log.warning("SIGHUP ignored: no policy loaded yet or draining")
 

@@ -40,6 +40,7 @@ from extproc.openai_request import (
     normalise_path,
     parse_inference_request,
 )
+from extproc.policy.hold import hold_needed
 from extproc.routing import choose_pool
 from extproc.scheduler import Ticket
 from extproc.service import responses
@@ -60,7 +61,6 @@ from extproc.types import (
 _ids = itertools.count(1)
 # Replicas in containers often all run as pid 1 and start in the same second: add randomness.
 _ID_PREFIX = f"{os.getpid():x}-{int(time.time()):x}-{secrets.token_hex(3)}"
-_HOLD_MARGIN_S = 5.0
 
 
 def header_map(headers: HttpHeaders) -> dict[str, str]:
@@ -206,8 +206,7 @@ class AdmissionProcessor:
         turn = self._turn = self.port.submit(ticket)
         if not turn.done():
             assert state.tenant is not None
-            hold_s = self.policy.tenants[state.tenant].limits.max_queue_wait + _HOLD_MARGIN_S
-            yield responses.hold(min(hold_s, 3600.0))
+            yield responses.hold(hold_needed(self.policy.tenants[state.tenant].limits))
         try:
             state.grant = await turn
         except GatewayError as error:

@@ -159,3 +159,32 @@ def logged(line: str) -> tuple[str, int] | None:
         return None
     entry = orjson.loads(line)
     return entry["path"], entry["status"]
+
+
+def test_access_log_never_names_the_tenant_a_client_claimed(gateway: RunningGateway) -> None:
+    """A rejected request (an unknown key) is logged without a tenant, not under the one its
+    client put in x-tenant-id: Envoy strips the gateway's own headers before anything reads
+    them."""
+    response = HTTP.request(
+        "POST",
+        gateway.base_url + "/v1/chat/completions",
+        body=CHAT_BODY,
+        headers={
+            "content-type": "application/json",
+            "authorization": "Bearer not-a-key",
+            "x-tenant-id": "claimed-acme",
+            "x-tier": "premium",
+        },
+    )
+    assert response.status == 401
+    deadline = time.monotonic() + 10
+    while not (lines := rejected_lines(gateway.log_of("envoy"))) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert lines, "no access log line for the 401"
+    assert all(entry["tenant"] in (None, "-", "") for entry in lines), lines
+    assert "claimed-acme" not in gateway.log_of("envoy")
+
+
+def rejected_lines(log: str) -> list[dict[str, object]]:
+    entries = [orjson.loads(line) for line in log.splitlines() if line.startswith("{")]
+    return [e for e in entries if e["status"] == 401 and e["path"] == "/v1/chat/completions"]

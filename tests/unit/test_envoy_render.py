@@ -17,6 +17,7 @@ from extproc.envoy_config import (
     render_bootstrap,
 )
 from extproc.policy import load_policy, policy_from_text
+from extproc.types import OWNED_HEADERS
 from gateway_lab.processes import envoy_binary
 from tests.conftest import policy_yaml
 
@@ -49,7 +50,9 @@ def test_render_holds_requests_long_enough() -> None:
     manager = bootstrap["staticResources"]["listeners"][0]["filterChains"][0]["filters"][0][
         "typedConfig"
     ]
-    admission, accounting, router = manager["httpFilters"]
+    strip, admission, accounting, router = manager["httpFilters"]
+    removed = [m["remove"] for m in strip["typedConfig"]["mutations"]["requestMutations"]]
+    assert set(removed) == set(OWNED_HEADERS)  # before any filter or log reads them
     assert admission["typedConfig"]["maxMessageTimeout"] == "150s"
     assert accounting["typedConfig"]["observabilityMode"] is True
     assert router["name"] == "envoy.filters.http.router"
@@ -168,7 +171,7 @@ def test_access_log_path_has_no_query_string() -> None:
 
 def test_explicit_max_message_timeout_is_rendered() -> None:
     bootstrap = rendered(policy_yaml(extra="gateway: {max_message_timeout: 10m}"))
-    admission = manager_of(bootstrap)["httpFilters"][0]
+    admission = manager_of(bootstrap)["httpFilters"][1]
     assert admission["name"] == ADMISSION_FILTER
     assert admission["typedConfig"]["maxMessageTimeout"] == "600s"
     assert admission["typedConfig"]["grpcService"]["timeout"] == "600s"
