@@ -23,7 +23,7 @@ from setuptools import find_packages
 
 from extproc.cli import build_parser
 from extproc.policy import load_policy
-from tests.production.static import (
+from tests.deploy_files import (
     COMPOSE_FILE,
     ENVOY_COMPOSE,
     PROMETHEUS_FILE,
@@ -33,7 +33,7 @@ from tests.production.static import (
     port_of,
     validate_envoy,
 )
-from tests.production.support import REPO
+from tests.serve_support import REPO
 
 # What `docker compose [--profile P] ...` is given: () is plain `docker compose up`.
 SELECTIONS = {"default": (), "gpu": ("gpu",), "cpu": ("cpu",)}

@@ -19,7 +19,7 @@ from extproc.cli import build_parser
 from extproc.openai_request import INFERENCE_PATHS
 from extproc.policy import parse_policy
 from extproc.types import POOL_HEADER
-from tests.production.static import (
+from tests.deploy_files import (
     ACCOUNTING_FILTER,
     ADMISSION_FILTER,
     DEPLOY,

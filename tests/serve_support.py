@@ -23,7 +23,7 @@ from envoy.service.ext_proc.v3.external_processor_pb2 import ProcessingRequest
 from extproc.service.roles import ACCOUNTING_ROLE, ROLE_METADATA
 from tests.grpc.test_extproc_stream import EnvoyPeer
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[1]
 
 T = TypeVar("T")
 

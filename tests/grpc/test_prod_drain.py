@@ -31,7 +31,7 @@ from tests.grpc.test_extproc_stream import (
     headers_message,
     set_headers,
 )
-from tests.production.support import AccountingPeer, ServeProcess, get_json, serve_process, wait_for
+from tests.serve_support import AccountingPeer, ServeProcess, get_json, serve_process, wait_for
 
 CHAT = "/v1/chat/completions"
 
@@ -210,7 +210,7 @@ def test_invalid_policy_at_start_exits_1_with_file_line(tmp_path: Path) -> None:
     import subprocess
     import sys
 
-    from tests.production.support import REPO
+    from tests.serve_support import REPO
 
     bad = tmp_path / "bad.yaml"
     bad.write_text(policy_yaml().replace("tier: premium", "tier: gold"))

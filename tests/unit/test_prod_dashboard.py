@@ -16,7 +16,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from extproc.metrics import Metrics
 from gateway_lab.engine.server import running_engine
-from tests.production.static import DASHBOARDS, PROVISIONING, load_yaml
+from tests.deploy_files import DASHBOARDS, PROVISIONING, load_yaml
 
 DASHBOARD = DASHBOARDS / "llm-gateway.json"
 

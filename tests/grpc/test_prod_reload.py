@@ -36,7 +36,7 @@ from tests.grpc.test_extproc_stream import (
     headers_message,
     set_headers,
 )
-from tests.production.support import get_json, http, serve_process, wait_for
+from tests.serve_support import get_json, http, serve_process, wait_for
 
 CHAT = "/v1/chat/completions"
 

@@ -16,7 +16,7 @@ from ruamel.yaml import YAML
 from extproc.envoy_config import ACCOUNTING_FILTER, ADMISSION_FILTER, RenderOptions, build_bootstrap
 from extproc.policy import Policy, policy_from_text
 from gateway_lab.processes import envoy_binary
-from tests.production.support import REPO
+from tests.serve_support import REPO
 
 DEPLOY = REPO / "deploy"
 COMPOSE_FILE = REPO / "docker-compose.yml"

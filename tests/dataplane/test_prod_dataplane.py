@@ -20,8 +20,8 @@ import urllib3
 
 from tests.conftest import TEST_KEYS, free_port, policy_yaml
 from tests.dataplane.harness import RunningGateway, running_gateway
-from tests.production.support import REPO, http, wait_for
-from tests.production.test_prod_dashboard import ENVOY_METRICS
+from tests.serve_support import REPO, http, wait_for
+from tests.unit.test_prod_dashboard import ENVOY_METRICS
 
 pytestmark = pytest.mark.dataplane
 

@@ -14,7 +14,7 @@ from extproc.policy import load_policy
 from gateway_lab.processes import STOP_FIRST, STOP_LAST, Child, RestartLimits, Stack, Supervisor
 from gateway_lab.up import StackConfig, build_stack
 from tests.conftest import policy_yaml
-from tests.production.support import wait_for
+from tests.serve_support import wait_for
 
 # A child that records when it got SIGTERM, then takes `delay` seconds to exit.
 _CHILD = """

@@ -38,7 +38,7 @@ from tests.grpc.test_extproc_stream import (
     headers_message,
     set_headers,
 )
-from tests.production.support import AccountingPeer
+from tests.serve_support import AccountingPeer
 
 CHAT = "/v1/chat/completions"
 
