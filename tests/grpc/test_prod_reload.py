@@ -25,7 +25,7 @@ from extproc.policy import PolicyFile, load_policy
 from extproc.reload import PolicyReloader
 from extproc.service.composition import compose
 from extproc.service.gateway import Gateway
-from extproc.service.main import JsonFormatter
+from extproc.service.logs import JsonFormatter
 from extproc.service.server import start_grpc_server
 from tests.adversarial.yaml_bombs import BILLION_LAUGHS
 from tests.conftest import TEST_KEYS, policy_yaml

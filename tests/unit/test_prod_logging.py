@@ -9,7 +9,8 @@ from collections.abc import Iterator
 import orjson
 import pytest
 
-from extproc.service.main import JsonFormatter, ServeOptions, configure_logging
+from extproc.service.logs import JsonFormatter, configure_logging
+from extproc.service.main import ServeOptions
 
 
 def record(
