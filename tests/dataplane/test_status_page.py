@@ -66,7 +66,10 @@ def gateway(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningGateway
 def browser(tmp_path: Path) -> Iterator[WebDriver]:
     for binary in (CHROMIUM, CHROMEDRIVER):
         if not Path(binary).exists():
-            pytest.fail(f"{binary} is missing: apt-get install chromium chromium-driver")
+            message = f"{binary} is missing: apt-get install chromium chromium-driver"
+            if os.environ.get("CI", "").lower() in {"1", "true", "yes"}:
+                pytest.fail(message)  # .ci/run installs them
+            pytest.skip(message)
     options = webdriver.ChromeOptions()
     options.binary_location = CHROMIUM
     for flag in (
