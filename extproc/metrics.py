@@ -20,6 +20,11 @@ _LATENCY_BUCKETS = (
     0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
 )  # fmt: skip
 
+_INTER_TOKEN_BUCKETS = (
+    0.001, 0.002, 0.005, 0.01, 0.015, 0.02, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1.0,
+    2.5,
+)  # fmt: skip
+
 RELOAD_RESULTS = ("success", "error", "unchanged")
 
 
@@ -70,6 +75,12 @@ class Metrics:
             "extproc_ttft_seconds", "Gateway-observed time to first token",
             ["tenant", "pool"], buckets=_LATENCY_BUCKETS, registry=r,
         )  # fmt: skip
+        self.inter_token = Histogram(
+            "extproc_inter_token_seconds",
+            "Gap between response chunks that carry output tokens, per token of the later chunk"
+            " (one observation per chunk)",
+            ["tenant", "pool"], buckets=_INTER_TOKEN_BUCKETS, registry=r,
+        )  # fmt: skip
         self.estimation_error = Histogram(
             "extproc_estimation_error_ratio", "Estimated / actual prompt tokens",
             ["mode"], buckets=(0.5, 0.7, 0.8, 0.9, 0.95, 1.0, 1.05, 1.1, 1.25, 1.5, 2.0),
@@ -79,6 +90,7 @@ class Metrics:
         self.queue_wait_of = Children(self.queue_wait)
         self.tokens_of = Children(self.tokens)
         self.ttft_of = Children(self.ttft)
+        self.inter_token_of = Children(self.inter_token)
         self.estimation_error_of = Children(self.estimation_error)
         # -- policy and lifecycle ---------------------------------------------------------------
         self.policy_reloads = Counter(
