@@ -19,12 +19,11 @@ from dataclasses import dataclass
 from typing import Any
 
 import orjson
-from prometheus_client import Histogram
 
 from extproc.admission import AdmissionController, Grant
 from extproc.errors import GatewayError
 from extproc.estimation import TokenEstimator
-from extproc.metrics import UNKNOWN_TENANT, Metrics
+from extproc.metrics import UNKNOWN_TENANT, Metrics, WeightedHistogramChild
 from extproc.openai_request import PromptParts
 from extproc.scheduler import Scheduler
 from extproc.service.reconcile import Correction, CutShort, EngineLedger, Reconciler
@@ -309,7 +308,7 @@ class LocalLease:
         self._settlement = settlement
         self._forget = forget
         tenant, pool = request.tenant, request.pool
-        self._inter_token: Histogram | None = (
+        self._inter_token: WeightedHistogramChild | None = (
             settlement.metrics.inter_token_of(tenant, pool)
             if tenant is not None and pool is not None
             else None
@@ -329,11 +328,12 @@ class LocalLease:
 
     def charge_output(self, tokens: int) -> None:
         # Called once per chunk that carries output tokens (tokens > 0): the gap since the
-        # previous such chunk, per token of this one, is the inter-token latency.
+        # previous such chunk, per token of this one, is the inter-token latency, counted
+        # once per token.
         now = time.monotonic()
         last, self._tokens_at = self._tokens_at, now
         if last is not None and self._inter_token is not None:
-            self._inter_token.observe((now - last) / tokens)
+            self._inter_token.observe((now - last) / tokens, tokens)
         request = self._request
         if request.grant is not None and not request.released:
             self._settlement.admission.charge_output(request.grant, tokens)

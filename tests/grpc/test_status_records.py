@@ -4,14 +4,17 @@ rejections (who as identified, why, Retry-After) and the inter-token latency of 
 from __future__ import annotations
 
 import types
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterable
 
 import grpc
 import orjson
 import pytest
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ext_proc_grpc
 from envoy.service.ext_proc.v3.external_processor_pb2 import HttpBody
+from prometheus_client import CollectorRegistry, Histogram
+from prometheus_client.metrics_core import Metric
 
+from extproc.metrics import WeightedHistogram
 from extproc.policy import policy_from_text
 from extproc.service import request as request_record
 from extproc.service.accounting import AccountingProcessor
@@ -19,6 +22,7 @@ from extproc.service.composition import compose
 from extproc.service.gateway import Gateway
 from extproc.service.processor import AdmissionProcessor, http_headers
 from extproc.service.server import start_grpc_server
+from extproc.status.readings import histogram_buckets, quantile
 from extproc.types import GATEWAY_REQUEST_ID_HEADER
 from tests.conftest import TEST_KEYS, policy_yaml
 from tests.grpc.test_extproc_stream import EnvoyPeer, body_message, chat_body, headers_message
@@ -117,6 +121,37 @@ async def test_the_ring_keeps_the_last_rejections_newest_first(service: Service)
     assert all("nowhere" not in str(r["message"]) for r in ring)
 
 
+def inter_token_quantile(gateway: Gateway, q: float) -> float | None:
+    buckets = histogram_buckets(gateway.metrics.inter_token, ("tenant", "pool"))
+    return quantile(q, buckets[("acme", "short")])
+
+
+def test_the_weighted_histogram_exposes_what_a_prometheus_histogram_would() -> None:
+    """Same bounds, same observations (a weight of n is n observations): the same samples."""
+    ours = WeightedHistogram(
+        "gap_seconds", "d", ["tenant"], (0.001, 0.01, 0.1), CollectorRegistry()
+    )
+    theirs = Histogram("gap_seconds", "d", ["tenant"], buckets=(0.001, 0.01, 0.1),
+                       registry=CollectorRegistry())  # fmt: skip
+    for value, weight in ((0.001, 1), (0.005, 3), (0.01, 2), (0.5, 1), (0.0001, 4)):
+        ours("acme").observe(value, weight)
+        for _ in range(weight):
+            theirs.labels("acme").observe(value)
+
+    def samples(collected: Iterable[Metric]) -> dict[tuple[str, str], float]:
+        return {
+            (s.name, s.labels.get("le", "")): s.value
+            for family in collected
+            for s in family.samples
+            if not s.name.endswith("_created")
+        }
+
+    mine, reference = samples(ours.collect()), samples(theirs.collect())
+    assert mine.keys() == reference.keys()
+    for key, value in reference.items():
+        assert mine[key] == pytest.approx(value), key
+
+
 class SteppedClock:
     def __init__(self) -> None:
         self.t = 500.0
@@ -150,10 +185,10 @@ async def test_inter_token_gaps_are_observed_per_output_chunk_divided_by_its_tok
     accounting.on_response_headers(
         http_headers([(":status", "200"), ("content-type", "text/event-stream")])
     )
-    histogram = gateway.metrics.inter_token_of("acme", "short")
 
     def observed() -> tuple[float, float]:
-        samples = {s.name: s.value for s in histogram.collect()[0].samples}
+        (family,) = gateway.metrics.inter_token.collect()
+        samples = {s.name: s.value for s in family.samples if s.labels["tenant"] == "acme"}
         return samples["extproc_inter_token_seconds_count"], samples[
             "extproc_inter_token_seconds_sum"
         ]
@@ -167,13 +202,14 @@ async def test_inter_token_gaps_are_observed_per_output_chunk_divided_by_its_tok
     clock.t += 0.015
     accounting.on_response_body(HttpBody(body=sse("ld")))  # 20 ms after the last output
     count, total = observed()
-    assert count == 2
-    assert total == pytest.approx(0.030 / 2 + 0.020)
+    assert count == 3  # weighted by tokens: 15 ms twice, then 20 ms once
+    assert total == pytest.approx(0.030 + 0.020)
+    assert inter_token_quantile(gateway, 0.5) == pytest.approx(0.015, abs=0.0051)
     usage = {"choices": [], "usage": {"prompt_tokens": 5, "completion_tokens": 4}}
     clock.t += 0.010
     body = b"data: " + orjson.dumps(usage) + b"\n\ndata: [DONE]\n\n"
     accounting.on_response_body(HttpBody(body=body, end_of_stream=True))
-    assert observed()[0] == 2  # the usage chunk carries no new output
+    assert observed()[0] == 3  # the usage chunk carries no new output
     # Only tenants of the policy are labels: the metric has acme's child and no other.
     labels = {s.labels["tenant"] for s in gateway.metrics.inter_token.collect()[0].samples}
     assert labels == {"acme"}
