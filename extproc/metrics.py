@@ -155,7 +155,6 @@ class Metrics:
         self.queue_wait_of = Children(self.queue_wait)
         self.tokens_of = Children(self.tokens)
         self.ttft_of = Children(self.ttft)
-        self.inter_token_of = self.inter_token
         self.estimation_error_of = Children(self.estimation_error)
         # -- policy and lifecycle ---------------------------------------------------------------
         self.policy_reloads = Counter(

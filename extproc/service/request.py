@@ -309,7 +309,7 @@ class LocalLease:
         self._forget = forget
         tenant, pool = request.tenant, request.pool
         self._inter_token: WeightedHistogramChild | None = (
-            settlement.metrics.inter_token_of(tenant, pool)
+            settlement.metrics.inter_token(tenant, pool)  # its cached child
             if tenant is not None and pool is not None
             else None
         )

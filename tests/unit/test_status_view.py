@@ -202,7 +202,7 @@ def test_rejections_are_the_services_own_records_with_their_reason(gateway: Gate
 def test_inter_token_percentiles_cover_the_latency_window_only(gateway: Gateway) -> None:
     clock = FakeClock()
     view = make_view(clock, latency_window_s=60.0, rate_window_s=10.0)
-    inter_token = gateway.metrics.inter_token_of
+    inter_token = gateway.metrics.inter_token
     for _ in range(40):
         inter_token("acme", "short").observe(0.012)
     first = tenant(build(view, gateway), "acme")
