@@ -7,17 +7,25 @@ refreshed from `Scheduler.snapshot()` when /metrics is scraped: `Metrics.refresh
 
 from __future__ import annotations
 
+import bisect
 import time
-from collections.abc import Collection, Mapping
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from typing import Any, Generic, TypeVar
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import HistogramMetricFamily
+from prometheus_client.metrics_core import Metric
 
 UNKNOWN_TENANT = "unknown"
 ChildT = TypeVar("ChildT", Counter, Histogram)
 
 _LATENCY_BUCKETS = (
     0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
+)  # fmt: skip
+
+_INTER_TOKEN_BUCKETS = (
+    0.001, 0.002, 0.005, 0.01, 0.015, 0.02, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1.0,
+    2.5,
 )  # fmt: skip
 
 RELOAD_RESULTS = ("success", "error", "unchanged")
@@ -40,6 +48,68 @@ class Children(Generic[ChildT]):
         if child is None:
             child = self._children[values] = self._metric.labels(*values)
         return child
+
+
+class WeightedHistogramChild:
+    """One label set's buckets (the last one is +Inf) and sum."""
+
+    __slots__ = ("_bounds", "counts", "total")
+
+    def __init__(self, bounds: tuple[float, ...]) -> None:
+        self._bounds = bounds
+        self.counts = [0] * (len(bounds) + 1)
+        self.total = 0.0
+
+    def observe(self, value: float, weight: int = 1) -> None:
+        """`weight` observations of `value` (bucket `le` is inclusive, as Prometheus has it)."""
+        self.counts[bisect.bisect_left(self._bounds, value)] += weight
+        self.total += value * weight
+
+
+class WeightedHistogram:
+    """A Prometheus histogram whose observations carry a weight, for a metric updated once per
+    streamed chunk: a chunk of n tokens counts as n observations in one step.
+
+    prometheus_client's Histogram takes a lock for the sum and for the bucket on every observe
+    (about 0.8 µs); this is plain arithmetic (about 0.2 µs). It is updated from the event loop's
+    thread only; a scrape from another thread may read a bucket one step ahead of the sum,
+    which is harmless. Children are never removed (label values come from the policy).
+    """
+
+    def __init__(
+        self,
+        name: str,
+        documentation: str,
+        labelnames: Sequence[str],
+        buckets: Sequence[float],
+        registry: CollectorRegistry,
+    ) -> None:
+        self._name = name
+        self._documentation = documentation
+        self._labelnames = tuple(labelnames)
+        self._bounds = tuple(sorted(buckets))
+        self._children: dict[tuple[str, ...], WeightedHistogramChild] = {}
+        registry.register(self)
+
+    def __call__(self, *values: str) -> WeightedHistogramChild:
+        child = self._children.get(values)
+        if child is None:
+            child = self._children[values] = WeightedHistogramChild(self._bounds)
+        return child
+
+    def describe(self) -> Iterable[Metric]:
+        return [HistogramMetricFamily(self._name, self._documentation, labels=self._labelnames)]
+
+    def collect(self) -> Iterable[Metric]:
+        family = HistogramMetricFamily(self._name, self._documentation, labels=self._labelnames)
+        bounds = [*(repr(float(b)) for b in self._bounds), "+Inf"]
+        for values, child in list(self._children.items()):
+            cumulative, buckets = 0, []
+            for bound, count in zip(bounds, child.counts, strict=True):
+                cumulative += count
+                buckets.append((bound, float(cumulative)))
+            family.add_metric(values, buckets, child.total)
+        return [family]
 
 
 def tenant_label(name: str | None, known: Collection[str]) -> str:
@@ -69,6 +139,12 @@ class Metrics:
         self.ttft = Histogram(
             "extproc_ttft_seconds", "Gateway-observed time to first token",
             ["tenant", "pool"], buckets=_LATENCY_BUCKETS, registry=r,
+        )  # fmt: skip
+        self.inter_token = WeightedHistogram(
+            "extproc_inter_token_seconds",
+            "Gap between streamed response chunks that carry output tokens, per token of the"
+            " later chunk (weighted: a chunk of n tokens counts n times)",
+            ["tenant", "pool"], _INTER_TOKEN_BUCKETS, r,
         )  # fmt: skip
         self.estimation_error = Histogram(
             "extproc_estimation_error_ratio", "Estimated / actual prompt tokens",

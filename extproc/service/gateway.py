@@ -169,6 +169,11 @@ class Gateway:
 
     # -- observability ---------------------------------------------------------------------
 
+    def recent_rejections(self) -> list[dict[str, object]]:
+        """The last answers this process gave itself (newest first): when, who as identified,
+        tier, pool, outcome, HTTP status, Retry-After and message."""
+        return [record.as_json() for record in self._settlement.rejections]
+
     def state_view(self) -> dict[str, object]:
         """The admission state store: backend, and for Redis its mode (shared / local /
         closed), this process's replica id and its leases; and the correction of cut-short

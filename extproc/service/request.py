@@ -4,6 +4,8 @@ The admission stream (extproc.service.processor) fills in what the request is an
 was decided. From then on only this module reads the record: the accounting stream settles
 it through a `LocalLease` (real usage replaces estimates, tokens are counted, capacity is
 freed), and it is counted and logged once (`Settlement.record`), whichever stream ends last.
+Every answer the service gives itself passes there too: the last ones are kept for the admin
+status page (`Settlement.rejections`).
 """
 
 from __future__ import annotations
@@ -11,15 +13,17 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import orjson
 
 from extproc.admission import AdmissionController, Grant
 from extproc.errors import GatewayError
 from extproc.estimation import TokenEstimator
-from extproc.metrics import UNKNOWN_TENANT, Metrics
+from extproc.metrics import UNKNOWN_TENANT, Metrics, WeightedHistogramChild
 from extproc.openai_request import PromptParts
 from extproc.scheduler import Scheduler
 from extproc.service.reconcile import Correction, CutShort, EngineLedger, Reconciler
@@ -31,6 +35,9 @@ request_log = logging.getLogger("extproc.request")
 ATTACH_GRACE_S = 10.0
 """How long a request whose response started waits for its accounting stream to attach
 before its capacity is freed without one (that filter fails open)."""
+REJECTIONS_KEPT = 50
+"""How many of the last answers the service gave itself `Settlement.rejections` keeps."""
+_MESSAGE_CHARS = 200
 
 
 @dataclass
@@ -64,6 +71,46 @@ class Request:
     recorded: bool = False
 
 
+@dataclass(frozen=True, slots=True)
+class RejectionRecord:
+    """One answer the service gave itself instead of forwarding the request. `tenant` is the
+    one the gateway identified (None before or without identification), never a claim."""
+
+    at: float
+    """Unix time the request's outcome was recorded."""
+    tenant: str | None
+    tier: str | None
+    pool: str | None
+    outcome: str
+    status: int
+    retry_after_s: int | None
+    code: str
+    message: str
+    """The error's own text (it never quotes a key or a query string), cut to a few hundred
+    characters."""
+
+    @classmethod
+    def of(cls, request: Request, error: GatewayError, at: float) -> RejectionRecord:
+        return cls(
+            at=at,
+            tenant=request.tenant,
+            tier=request.tier,
+            pool=request.pool,
+            outcome=error.outcome.value,
+            status=error.status,
+            retry_after_s=error.retry_after_s,
+            code=error.code,
+            message=error.message[:_MESSAGE_CHARS],
+        )
+
+    def as_json(self) -> dict[str, Any]:
+        return {
+            "at": self.at, "tenant": self.tenant, "tier": self.tier, "pool": self.pool,
+            "outcome": self.outcome, "status": self.status, "retry_after_s": self.retry_after_s,
+            "code": self.code, "message": self.message,
+        }  # fmt: skip
+
+
 class Settlement:
     """What settling, counting and logging this process's requests needs."""
 
@@ -84,6 +131,8 @@ class Settlement:
         """Set by the composition root when cut-short streams are corrected."""
         self.admissions = 0
         """Requests admitted so far (the reconciler reads engines between admissions)."""
+        self.rejections: deque[RejectionRecord] = deque(maxlen=REJECTIONS_KEPT)
+        """The last answers the service gave itself, newest first."""
 
     def count_admission(self) -> None:
         self.admissions += 1
@@ -226,6 +275,8 @@ class Settlement:
         self.metrics.requests_of(tenant, tier, pool, request.outcome.value).inc()
         if grant is not None:
             self.metrics.queue_wait_of(tenant, tier).observe(grant.wait_s)
+        if request.error is not None:
+            self.rejections.appendleft(RejectionRecord.of(request, request.error, time.time()))
         if request_log.isEnabledFor(logging.INFO):
             entry = {
                 "request_id": request.request_id,
@@ -256,6 +307,14 @@ class LocalLease:
         self._request = request
         self._settlement = settlement
         self._forget = forget
+        tenant, pool = request.tenant, request.pool
+        self._inter_token: WeightedHistogramChild | None = (
+            settlement.metrics.inter_token(tenant, pool)  # its cached child
+            if tenant is not None and pool is not None
+            else None
+        )
+        self._tokens_at: float | None = None
+        """When the last chunk that carried output tokens passed."""
 
     def response_started(self, status: int, upstream: str | None) -> None:
         self._request.upstream_status = status
@@ -268,6 +327,13 @@ class LocalLease:
             metrics.ttft_of(request.tenant, request.pool).observe(at - request.started)
 
     def charge_output(self, tokens: int) -> None:
+        # Called once per chunk that carries output tokens (tokens > 0): the gap since the
+        # previous such chunk, per token of this one, is the inter-token latency, counted
+        # once per token.
+        now = time.monotonic()
+        last, self._tokens_at = self._tokens_at, now
+        if last is not None and self._inter_token is not None:
+            self._inter_token.observe((now - last) / tokens, tokens)
         request = self._request
         if request.grant is not None and not request.released:
             self._settlement.admission.charge_output(request.grant, tokens)

@@ -1,12 +1,11 @@
-"""Successive readings of the service's counters, kept by the status view for rates, recent
-latency quantiles and the last rejections (the service records totals only)."""
+"""Successive readings of the service's counters, kept by the status view for rates and recent
+latency quantiles (the service records totals only)."""
 
 from __future__ import annotations
 
 from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
 
 from extproc.metrics import Metrics
 from extproc.status.readings import Buckets, Labels, by_first_label, counter_totals
@@ -36,6 +35,8 @@ class Reading:
     """(tenant, direction) -> tokens."""
     ttft: Mapping[str, Buckets]
     """tenant -> time to first token, over its pools."""
+    inter_token: Mapping[str, Buckets]
+    """tenant -> gap between output chunks per token, over its pools."""
     queue_wait: Mapping[str, Buckets]
     """tenant -> time held at the door."""
 
@@ -46,6 +47,7 @@ class Reading:
             requests=counter_totals(metrics.requests, ("tenant", "tier", "pool", "outcome")),
             tokens=counter_totals(metrics.tokens, ("tenant", "direction")),
             ttft=by_first_label(read_buckets(metrics.ttft, ("tenant", "pool"))),
+            inter_token=by_first_label(read_buckets(metrics.inter_token, ("tenant", "pool"))),
             queue_wait=by_first_label(read_buckets(metrics.queue_wait, ("tenant", "tier"))),
         )
 
@@ -68,37 +70,3 @@ class Readings:
     def baseline(self, now: float, window_s: float) -> Reading | None:
         """The oldest reading within `window_s` before `now` (not `now`'s own)."""
         return next((r for r in self.kept if now - window_s <= r.at < now), None)
-
-
-class RejectionLog:
-    """The last rejections, as the differences of the outcome counters between two readings:
-    who, which pool, why, and how many in that interval. A rejection counted before the first
-    reading is logged with `at` None ("earlier")."""
-
-    def __init__(self, kept: int) -> None:
-        self.entries: deque[dict[str, Any]] = deque(maxlen=kept)
-        self._last: Mapping[Labels, float] | None = None
-
-    def observe(self, requests: Mapping[Labels, float], wall: float) -> None:
-        before = self._last
-        self._last = requests
-        for key, total in sorted(requests.items()):
-            tenant, tier, pool, outcome = key
-            reason = REJECTIONS.get(outcome)
-            count = total - (before.get(key, 0.0) if before is not None else 0.0)
-            if reason is None or count <= 0:
-                continue
-            self.entries.appendleft(
-                {
-                    "at": wall if before is not None else None,
-                    "tenant": tenant,
-                    "tier": tier,
-                    "pool": pool,
-                    "outcome": outcome,
-                    "reason": reason,
-                    "count": int(count),
-                }
-            )
-
-    def as_json(self) -> list[dict[str, Any]]:
-        return list(self.entries)

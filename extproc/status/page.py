@@ -103,6 +103,7 @@ class StatusRoutes:
             self.metrics(),
             reloader=self.reloader(),
             engines=engines,
+            rejections=gateway.recent_rejections(),
             draining=self.draining(),
         )
         return json_response(body)

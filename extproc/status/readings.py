@@ -12,7 +12,8 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from prometheus_client import Counter, Histogram
+from prometheus_client import Counter
+from prometheus_client.registry import Collector
 
 Labels = tuple[str, ...]
 Buckets = tuple[tuple[float, float], ...]
@@ -30,7 +31,7 @@ def counter_totals(counter: Counter, labels: tuple[str, ...]) -> dict[Labels, fl
     return totals
 
 
-def histogram_buckets(histogram: Histogram, labels: tuple[str, ...]) -> dict[Labels, Buckets]:
+def histogram_buckets(histogram: Collector, labels: tuple[str, ...]) -> dict[Labels, Buckets]:
     """Each labelled child's cumulative bucket counts, keyed like `counter_totals`."""
     found: dict[Labels, list[tuple[float, float]]] = {}
     for family in histogram.collect():

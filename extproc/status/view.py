@@ -1,9 +1,10 @@
 """The JSON behind the status page (`GET /v1/status`), built from what the admin server reads:
-the scheduler snapshot, the metrics registry, the policy reloader and the engine readings.
+the scheduler snapshot, the metrics registry, the policy reloader, the engine readings and the
+service's last rejections.
 
-Rates, recent latency quantiles, the pools' limit history and the last rejections are
-differences between successive calls (the page polls about once a second), kept here in
-bounded form: the service itself exposes totals and the present only.
+Rates, recent latency quantiles and the pools' limit history are differences between
+successive calls (the page polls about once a second), kept here in bounded form: the service
+itself exposes totals and the present only.
 """
 
 from __future__ import annotations
@@ -11,14 +12,14 @@ from __future__ import annotations
 import bisect
 import time
 from collections import deque
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from extproc.metrics import Metrics
 from extproc.policy import Policy
 from extproc.reload import PolicyReloader
 from extproc.status.engines import EngineReader
-from extproc.status.history import REJECTIONS, Reading, Readings, RejectionLog
+from extproc.status.history import REJECTIONS, Reading, Readings
 from extproc.status.readings import Percentiles, subtract_buckets
 
 REMOVED_TIER = "(removed)"
@@ -34,7 +35,6 @@ class StatusView:
         history_points: int = 120,
         history_every_s: float = 1.0,
         readings_every_s: float = 5.0,
-        rejections_kept: int = 40,
         now: Callable[[], float] = time.monotonic,
         wall: Callable[[], float] = time.time,
     ) -> None:
@@ -46,7 +46,6 @@ class StatusView:
         # Readings hold every tenant's histograms: kept a few seconds apart, they cost little
         # memory, and a rate still has a baseline from the page's first update on.
         self.readings = Readings(readings_every_s, max(rate_window_s, latency_window_s))
-        self.rejections = RejectionLog(rejections_kept)
         self.history_points = history_points
         self.limit_history: dict[str, deque[list[float]]] = {}
         """pool -> [wall time, soft limit, hard limit, in flight, queued] points."""
@@ -59,13 +58,15 @@ class StatusView:
         *,
         reloader: PolicyReloader | None = None,
         engines: EngineReader | None = None,
+        rejections: Sequence[Mapping[str, Any]] = (),
         draining: bool = False,
     ) -> dict[str, Any]:
+        """`rejections`: the service's last answers it gave itself, newest first
+        (`Gateway.recent_rejections`); each is shown with how the page names its reason."""
         now, wall = self.now(), self.wall()
         reading = Reading.of(metrics, now)
         rates_from = self.readings.baseline(now, self.rate_window_s)
         latency_from = self.readings.baseline(now, self.latency_window_s)
-        self.rejections.observe(reading.requests, wall)
         pools = snapshot.get("pools", {})
         self._record_limits(pools, wall)
         self.readings.add(reading)
@@ -84,7 +85,10 @@ class StatusView:
             "pools": [
                 self._pool(name, pool, policy, engines) for name, pool in sorted(pools.items())
             ],
-            "rejections": self.rejections.as_json(),
+            "rejections": [
+                {**entry, "reason": REJECTIONS.get(entry["outcome"], entry["outcome"])}
+                for entry in rejections
+            ],
         }
 
     # -- tenants ------------------------------------------------------------------------------
@@ -127,8 +131,10 @@ class StatusView:
     ) -> dict[str, Any]:
         ttft = reading.ttft.get(name, ())
         wait = reading.queue_wait.get(name, ())
+        inter_token = reading.inter_token.get(name, ())
         if latency_from is not None:
             ttft = subtract_buckets(ttft, latency_from.ttft.get(name))
+            inter_token = subtract_buckets(inter_token, latency_from.inter_token.get(name))
             wait = subtract_buckets(wait, latency_from.queue_wait.get(name))
         return {
             "name": name,
@@ -142,6 +148,7 @@ class StatusView:
             "outcomes": dict(outcomes),
             "tokens_per_s": self._token_rates(name, reading, rates_from),
             "ttft": Percentiles.of(ttft).as_json(),
+            "inter_token": Percentiles.of(inter_token).as_json(),
             "queue_wait": Percentiles.of(wait).as_json(),
         }
 

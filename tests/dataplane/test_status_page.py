@@ -50,10 +50,10 @@ def status_policy(short: str, long_: str) -> str:
         long_inflight=2,
     )
     # The short pool's limit adapts (from 1 up to 3), so the page has a limit history to draw.
-    engines = f'    endpoints: ["{short}"]\n'
+    static = f'    endpoints: ["{short}"]\n    headroom: 0\n    adaptive: {{enabled: false}}\n'
     adaptive = "    adaptive: {min_inflight: 1, initial_inflight: 1, poll_interval: 200ms}\n"
-    assert engines in text
-    return text.replace(engines, engines + adaptive)
+    assert static in text
+    return text.replace(static, f'    endpoints: ["{short}"]\n    headroom: 0\n' + adaptive)
 
 
 @pytest.fixture(scope="module")
@@ -165,18 +165,26 @@ async def test_the_numbers_move_with_traffic_and_a_flood(
 
     timeout = aiohttp.ClientTimeout(total=60)
     async with aiohttp.ClientSession(timeout=timeout) as session:
-        # Traffic starts: admissions are counted and tokens flow.
-        answers = [await send(session, gateway, "acme", chat(24)) for _ in range(3)]
+        # Traffic starts: admissions are counted, tokens flow, and the streamed responses
+        # give an inter-token latency.
+        assert (
+            page.text('tr[data-tenant="acme"] [data-field="inter-token"]') == "\u2013 / \u2013"
+        )  # en dashes: no figure yet
+        answers = [await send(session, gateway, "acme", chat(24, stream=True)) for _ in range(3)]
         assert [status for status, _, _ in answers] == [200, 200, 200]
+        assert all(b"data: [DONE]" in body for _, _, body in answers)
         await in_browser(
             page,
-            "acme's three admissions and its output tokens per second",
+            "acme's three admissions, its output tokens per second and its inter-token latency",
             lambda: (
                 page.tenant("acme", "admitted") == 3
                 and at_least(page.tenant("acme", "tokens-out"), 1)
                 and at_least(page.tenant("acme", "tokens-in"), 1)
+                and (page.tenant("acme", "inter-token") or 0.0) > 0.0
             ),
         )
+        inter_token = page.text('tr[data-tenant="acme"] [data-field="inter-token"]') or ""
+        assert inter_token.count(" ms") + inter_token.count(" s") == 2, inter_token
         engine = '[data-pool="short"] [data-engine] [data-field="running"]'
         await in_browser(
             page, "a reading of the short pool's engine", lambda: page.number(engine) is not None
@@ -208,6 +216,12 @@ async def test_the_numbers_move_with_traffic_and_a_flood(
                 and "queue full" in (page.text("#rejection-rows") or "")
             ),
         )
+        # The service's own record of the rejection: who, the status and its Retry-After.
+        refusal = 'tr[data-outcome="rejected_queue_full"]'
+        assert page.text(f'{refusal} [data-field="tenant"]') == "initech"
+        assert page.text(f'{refusal} [data-field="status"]') == "429"
+        assert at_least(page.number(f'{refusal} [data-field="retry-after"]'), 1)
+        assert (page.text(f'{refusal} [data-field="retry-after"]') or "").endswith(" s")
         shot = tmp_path / "status.png"
         page.screenshot(shot)
         wanted = os.environ.get(SCREENSHOT_ENV)

@@ -172,35 +172,53 @@ def test_tenants_level_with_each_other_share_a_place() -> None:
 # -- rejections ------------------------------------------------------------------------------------
 
 
-def test_rejections_are_logged_newest_first_and_bounded(gateway: Gateway) -> None:
+def test_rejections_are_the_services_own_records_with_their_reason(gateway: Gateway) -> None:
+    """The page shows the service's ring as it is (newest first), each with how the page names
+    its reason; nothing is derived from the counters any more."""
     clock = FakeClock()
-    view = make_view(clock, rejections_kept=3)
-    requests = gateway.metrics.requests_of
-    requests("globex", "standard", "short", "rejected_queue_full").inc(2)
-    requests("globex", "standard", "short", "admitted").inc(9)
-    status = build(view, gateway)
-    assert status["rejections"] == [
+    view = make_view(clock)
+    assert build(view, gateway)["rejections"] == []
+    ring = [
         {
-            "at": None, "tenant": "globex", "tier": "standard", "pool": "short",
-            "outcome": "rejected_queue_full", "reason": "queue full", "count": 2,
-        }
+            "at": 1.7e9 + 2, "tenant": "acme", "tier": "premium", "pool": "short",
+            "outcome": "rejected_rate", "status": 429, "retry_after_s": 7,
+            "code": "rate_limit_exceeded", "message": "rate limit reached",
+        },
+        {
+            "at": 1.7e9 + 1, "tenant": None, "tier": None, "pool": None,
+            "outcome": "unauthorized", "status": 401, "retry_after_s": None,
+            "code": "invalid_api_key", "message": "invalid API key",
+        },
     ]  # fmt: skip
-    clock.t += 1.0
-    status = build(view, gateway)
-    assert len(status["rejections"]) == 1  # nothing new: nothing logged
-    requests("acme", "premium", "short", "rejected_rate").inc()
-    clock.t += 1.0
-    status = build(view, gateway)
-    newest = status["rejections"][0]
-    assert (newest["tenant"], newest["outcome"], newest["reason"], newest["count"]) == (
-        "acme", "rejected_rate", "rate limit", 1,
-    )  # fmt: skip
-    assert newest["at"] == clock.t + 1.7e9
-    for outcome in ("expired", "shed", "unavailable"):
-        requests("initech", "standard", "long", outcome).inc()
-        clock.t += 1.0
-        status = build(view, gateway)
-    assert [r["outcome"] for r in status["rejections"]] == ["unavailable", "shed", "expired"]
+    gateway.metrics.requests_of("globex", "standard", "short", "rejected_queue_full").inc(2)
+    status = build(view, gateway, rejections=ring)
+    assert status["rejections"] == [
+        {**ring[0], "reason": "rate limit"},
+        {**ring[1], "reason": "unknown API key"},
+    ]
+    assert tenant(status, "globex")["rejected"] == 2  # the tenant rows still count them
+
+
+def test_inter_token_percentiles_cover_the_latency_window_only(gateway: Gateway) -> None:
+    clock = FakeClock()
+    view = make_view(clock, latency_window_s=60.0, rate_window_s=10.0)
+    inter_token = gateway.metrics.inter_token
+    for _ in range(40):
+        inter_token("acme", "short").observe(0.012)
+    first = tenant(build(view, gateway), "acme")
+    assert first["inter_token"]["count"] == 40
+    assert 10.0 <= first["inter_token"]["p50_ms"] <= 15.0
+    assert tenant(build(view, gateway), "globex")["inter_token"] == {
+        "p50_ms": None, "p99_ms": None, "count": 0,
+    }  # fmt: skip
+    clock.t += 30.0
+    build(view, gateway)
+    clock.t += 31.0
+    for _ in range(10):
+        inter_token("acme", "long").observe(0.2)  # another pool: summed per tenant
+    recent = tenant(build(view, gateway), "acme")["inter_token"]
+    assert recent["count"] == 10
+    assert 150.0 < recent["p50_ms"] <= 250.0
 
 
 # -- pools -----------------------------------------------------------------------------------------

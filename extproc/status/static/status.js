@@ -91,7 +91,7 @@ function fairText(places) {
 function renderTenants(status) {
   const rows = [];
   for (const tier of status.tiers) {
-    rows.push(el("tr", { class: "tier", "data-tier": tier.name }, el("td", { colSpan: 11 }, tier.name)));
+    rows.push(el("tr", { class: "tier", "data-tier": tier.name }, el("td", { colSpan: 12 }, tier.name)));
     for (const t of tier.tenants) {
       const rates = t.tokens_per_s || {};
       const rejected = el("span", { "data-field": "rejected" }, num(t.rejected));
@@ -109,6 +109,7 @@ function renderTenants(status) {
         el("td", { "data-field": "fair-share", title: t.fair_share.map((p) => `${p.pool}: ${p.level}`).join(", ") },
           fairText(t.fair_share)),
         cell("ttft", `${ms(t.ttft.p50_ms)} / ${ms(t.ttft.p99_ms)}`),
+        cell("inter-token", `${ms(t.inter_token.p50_ms)} / ${ms(t.inter_token.p99_ms)}`),
         cell("queue-wait", `${ms(t.queue_wait.p50_ms)} / ${ms(t.queue_wait.p99_ms)}`),
       ));
     }
@@ -118,6 +119,7 @@ function renderTenants(status) {
   document.getElementById("windows").textContent =
     `Token rates over the last ${w.rates_s === null ? "–" : num(w.rates_s, 0)} s; ` +
     `latency percentiles over the last ${w.latency_s === null ? "(since start)" : `${num(w.latency_s, 0)} s`}. ` +
+    "Inter-token: the gap between streamed chunks that carry output, per token. " +
     "Admitted and rejected: requests since start, counted when they end. " +
     "Fair-share place: 1 is served next among the tier's tenants in that pool.";
 }
@@ -216,10 +218,14 @@ function renderPools(status) {
 
 function renderRejections(status) {
   const rows = status.rejections.map((r) => el("tr", { "data-outcome": r.outcome },
-    el("td", {}, clock(r.at)), el("td", { class: "text" }, r.tenant),
-    el("td", { class: "text" }, r.tier), el("td", { class: "text" }, r.pool),
-    el("td", { class: "text bad" }, `${r.reason} (${r.outcome})`), el("td", {}, num(r.count))));
-  if (!rows.length) rows.push(el("tr", {}, el("td", { colSpan: 6, class: "empty" }, "none so far")));
+    el("td", {}, clock(r.at)),
+    el("td", { class: "text", "data-field": "tenant" }, r.tenant === null ? "unidentified" : r.tenant),
+    el("td", { class: "text" }, r.tier || "–"), el("td", { class: "text" }, r.pool || "–"),
+    cell("status", r.status, "bad"),
+    el("td", { class: "text bad", "data-field": "reason" }, `${r.reason} (${r.outcome})`),
+    cell("retry-after", r.retry_after_s === null ? "–" : `${num(r.retry_after_s)} s`),
+    el("td", { class: "text message", "data-field": "message", title: r.message }, r.message)));
+  if (!rows.length) rows.push(el("tr", {}, el("td", { colSpan: 8, class: "empty" }, "none so far")));
   document.getElementById("rejection-rows").replaceChildren(...rows);
 }
 
