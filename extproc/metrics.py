@@ -66,6 +66,23 @@ class WeightedHistogramChild:
         self.total += value * weight
 
 
+class InterTokenClock:
+    """One response's inter-token latency: the gap since the previous chunk that carried output
+    tokens, per token of this chunk, counted once per token (the first such chunk only starts
+    the clock: its gap is the time to first token)."""
+
+    __slots__ = ("_histogram", "_last")
+
+    def __init__(self, histogram: WeightedHistogramChild | None) -> None:
+        self._histogram = histogram
+        self._last: float | None = None
+
+    def tokens_arrived(self, tokens: int, now: float) -> None:
+        last, self._last = self._last, now
+        if last is not None and self._histogram is not None:
+            self._histogram.observe((now - last) / tokens, tokens)
+
+
 class WeightedHistogram:
     """A Prometheus histogram whose observations carry a weight, for a metric updated once per
     streamed chunk: a chunk of n tokens counts as n observations in one step.

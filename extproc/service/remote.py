@@ -13,7 +13,7 @@ import time
 from collections.abc import Callable
 
 from extproc.admission import AdmissionController, RemoteLease
-from extproc.metrics import Metrics
+from extproc.metrics import InterTokenClock, Metrics
 from extproc.policy import Policy
 from extproc.sse import Usage
 
@@ -34,6 +34,8 @@ class RemoteRequestLease:
         self._forget = forget
         self._settled = False
         self.started = time.monotonic()
+        self._inter_token: InterTokenClock | None = None
+        """Made at the first output chunk: the tenant and pool come from the shared store."""
 
     def response_started(self, status: int, upstream: str | None) -> None:
         del status, upstream  # the admitting process logs the request
@@ -48,6 +50,15 @@ class RemoteRequestLease:
         return self._remote.request_id
 
     def charge_output(self, tokens: int) -> None:
+        clock = self._inter_token
+        if clock is None:
+            tenant, pool = self._remote.tenant, self._remote.pool
+            clock = self._inter_token = InterTokenClock(
+                self._metrics.inter_token(tenant, pool)
+                if tenant is not None and pool is not None
+                else None
+            )
+        clock.tokens_arrived(tokens, time.monotonic())
         self._admission.charge_remote(self._remote, tokens)
 
     def settle(self, usage: Usage | None, output_seen: int) -> None:

@@ -23,7 +23,7 @@ import orjson
 from extproc.admission import AdmissionController, Grant
 from extproc.errors import GatewayError
 from extproc.estimation import TokenEstimator
-from extproc.metrics import UNKNOWN_TENANT, Metrics, WeightedHistogramChild
+from extproc.metrics import UNKNOWN_TENANT, InterTokenClock, Metrics
 from extproc.openai_request import PromptParts
 from extproc.scheduler import Scheduler
 from extproc.service.reconcile import Correction, CutShort, EngineLedger, Reconciler
@@ -32,9 +32,11 @@ from extproc.types import Outcome
 
 request_log = logging.getLogger("extproc.request")
 
-ATTACH_GRACE_S = 10.0
+ATTACH_GRACE_S = 1.0
 """How long a request whose response started waits for its accounting stream to attach
-before its capacity is freed without one (that filter fails open)."""
+before its capacity is freed without one (that filter fails open). Envoy opens that stream
+when the request is forwarded, before the engine answers, so it is late only by the event
+loop's lag; a shared-state gate adds its own hand-off grace on top (extproc.state.gate)."""
 REJECTIONS_KEPT = 50
 """How many of the last answers the service gave itself `Settlement.rejections` keeps."""
 _MESSAGE_CHARS = 200
@@ -308,13 +310,11 @@ class LocalLease:
         self._settlement = settlement
         self._forget = forget
         tenant, pool = request.tenant, request.pool
-        self._inter_token: WeightedHistogramChild | None = (
+        self._inter_token = InterTokenClock(
             settlement.metrics.inter_token(tenant, pool)  # its cached child
             if tenant is not None and pool is not None
             else None
         )
-        self._tokens_at: float | None = None
-        """When the last chunk that carried output tokens passed."""
 
     def response_started(self, status: int, upstream: str | None) -> None:
         self._request.upstream_status = status
@@ -327,13 +327,8 @@ class LocalLease:
             metrics.ttft_of(request.tenant, request.pool).observe(at - request.started)
 
     def charge_output(self, tokens: int) -> None:
-        # Called once per chunk that carries output tokens (tokens > 0): the gap since the
-        # previous such chunk, per token of this one, is the inter-token latency, counted
-        # once per token.
-        now = time.monotonic()
-        last, self._tokens_at = self._tokens_at, now
-        if last is not None and self._inter_token is not None:
-            self._inter_token.observe((now - last) / tokens, tokens)
+        # Called once per chunk that carries output tokens (tokens > 0).
+        self._inter_token.tokens_arrived(tokens, time.monotonic())
         request = self._request
         if request.grant is not None and not request.released:
             self._settlement.admission.charge_output(request.grant, tokens)
