@@ -49,8 +49,9 @@ def _policy_text(tenants: int, fairness: str, depth: int) -> str:
         )
     lines += [
         "pools:",
+        # headroom 0: every slot full before any request queues (also valid for older trees)
         "  p: {max_total_tokens: 1000000, max_inflight: 8, max_inflight_tokens: 10000000, "
-        'endpoints: ["127.0.0.1:1"]}',
+        'headroom: 0, endpoints: ["127.0.0.1:1"]}',
         f"fairness: {{policy: {fairness}, quantum: 4096}}",
         "gateway: {lease_timeout: 600s}",
     ]

@@ -14,6 +14,7 @@ from extproc.envoy_lint.lint import lint_file
 from extproc.envoy_lint.reference import reference
 from extproc.envoy_lint.source import Node
 from extproc.envoy_lint.values import seconds
+from extproc.envoy_routes import ADMISSION_FILTER
 from extproc.policy import Policy, policy_from_text
 from tests.conftest import policy_yaml
 from tests.unit.test_envoy_lint import PENDING_CHECKS
@@ -45,7 +46,9 @@ def test_reference_values_are_the_renders(name: str, tmp_path: Path) -> None:
     _, text = rendered(policy, tmp_path)
     listener = json.loads(text)["staticResources"]["listeners"][0]
     manager = listener["filterChains"][0]["filters"][0]["typedConfig"]
-    admission = manager["httpFilters"][0]["typedConfig"]
+    (admission,) = (
+        f["typedConfig"] for f in manager["httpFilters"] if f["name"] == ADMISSION_FILTER
+    )
     ref = reference(policy)
     assert ref.hold == duration(admission["maxMessageTimeout"])
     assert ref.hold == duration(admission["grpcService"]["timeout"])
