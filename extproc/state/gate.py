@@ -495,6 +495,7 @@ class RedisGate:
         return {
             "backend": "redis",
             "mode": self.mode.value,
+            "epoch": self.sync.epoch,
             "replica": self.replica,
             "held_leases": len(self.held),
             "local_only_leases": len(self.local_only),

@@ -180,6 +180,12 @@ class PeerSync:
 
     # -- heartbeat ----------------------------------------------------------------------------
 
+    @property
+    def epoch(self) -> str | None:
+        """The store's epoch at this process's last successful heartbeat (a new one after the
+        store lost its data); None before the first."""
+        return self._epoch
+
     def _heartbeat_interval(self) -> float:
         settings = self.gate.settings
         return min(settings.lease_ttl, settings.backlog_ttl) / 3.0

@@ -156,12 +156,20 @@ async def test_leases_survive_a_redis_restart_that_lost_the_data(
                 lambda: store.zcard("extproc:pl:short") == 2, 10, "leases registered again"
             )
             # During the outage each process admits from its local share (on_failure: local);
-            # the claim here is about both processes back on the shared store.
+            # the claim here is about both processes back on the shared store: each has had a
+            # heartbeat answered by the restarted store (its new epoch), not merely not yet
+            # noticed the restart on a pooled connection the restart closed.
+            await await_for(lambda: store.exists("extproc:epoch") == 1, 15, "a new epoch")
+            epoch = store.get("extproc:epoch")
+            assert isinstance(epoch, bytes)
             for process in (holder, other):
                 await await_for(
-                    lambda p=process: p.tenants()["state"]["mode"] == "shared",
-                    10,
-                    "both processes back on Redis",
+                    lambda p=process: (
+                        p.tenants()["state"]["mode"] == "shared"
+                        and p.tenants()["state"]["epoch"] == epoch.decode()
+                    ),
+                    15,
+                    "both processes back on the restarted Redis",
                 )
             waiting = asyncio.create_task(
                 admit(second, TEST_KEYS["initech"], "initech", chat_body(), timeout=20)
