@@ -20,7 +20,6 @@ from extproc.policy import policy_from_text
 from extproc.service.composition import compose
 from extproc.service.gateway import Gateway
 from extproc.service.roles import ACCOUNTING_ROLE, ROLE_METADATA
-from extproc.service.server import start_grpc_server
 from tests.conftest import TEST_KEYS, policy_yaml
 from tests.grpc.test_extproc_stream import (
     EnvoyPeer,
@@ -29,6 +28,7 @@ from tests.grpc.test_extproc_stream import (
     headers_message,
     set_headers,
 )
+from tests.grpc_support import served_stub
 
 GLOBEX = TEST_KEYS["globex"]
 # globex's whole token bucket holds 500 tokens: a larger budget can never pass.
@@ -38,13 +38,8 @@ _SMALL_BUCKET = "{requests_per_minute: 600, tokens_per_minute: 500, max_queued: 
 @pytest.fixture
 async def served() -> AsyncIterator[tuple[Gateway, ext_proc_grpc.ExternalProcessorStub]]:
     gateway = compose(policy_from_text(policy_yaml(globex_limits=_SMALL_BUCKET)))
-    server, port = await start_grpc_server(gateway, "127.0.0.1:0")
-    channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
-    try:
-        yield gateway, ext_proc_grpc.ExternalProcessorStub(channel)
-    finally:
-        await channel.close()
-        await server.stop(None)
+    async with served_stub(gateway) as stub:
+        yield gateway, stub
 
 
 def answer_of(reply: ProcessingResponse, status: int, code: str) -> dict[str, str]:
@@ -239,13 +234,8 @@ async def door_only() -> AsyncIterator[tuple[Gateway, ext_proc_grpc.ExternalProc
     policy = policy_from_text(policy_yaml(extra="gateway: {reconcile_cut_short: false}"))
     gateway = compose(policy)
     assert gateway.ledger is None
-    server, port = await start_grpc_server(gateway, "127.0.0.1:0")
-    channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
-    try:
-        yield gateway, ext_proc_grpc.ExternalProcessorStub(channel)
-    finally:
-        await channel.close()
-        await server.stop(None)
+    async with served_stub(gateway) as stub:
+        yield gateway, stub
 
 
 async def test_a_client_gone_before_any_response_is_not_charged_its_prompt(door_only) -> None:  # type: ignore[no-untyped-def]

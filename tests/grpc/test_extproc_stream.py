@@ -21,8 +21,8 @@ from extproc.service.composition import compose
 from extproc.service.gateway import Gateway
 from extproc.service.processor import http_headers
 from extproc.service.roles import ACCOUNTING_ROLE, ROLE_METADATA
-from extproc.service.server import start_grpc_server
 from tests.conftest import TEST_KEYS, policy_yaml
+from tests.grpc_support import served_stub
 
 
 def headers_message(
@@ -78,13 +78,8 @@ class EnvoyPeer:
 @pytest.fixture
 async def service() -> AsyncIterator[tuple[Gateway, ext_proc_grpc.ExternalProcessorStub]]:
     gateway = compose(policy_from_text(policy_yaml(short_inflight=1)))
-    server, port = await start_grpc_server(gateway, "127.0.0.1:0")
-    channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
-    try:
-        yield gateway, ext_proc_grpc.ExternalProcessorStub(channel)
-    finally:
-        await channel.close()
-        await server.stop(None)
+    async with served_stub(gateway) as stub:
+        yield gateway, stub
 
 
 async def test_missing_and_wrong_key_get_401(service) -> None:  # type: ignore[no-untyped-def]

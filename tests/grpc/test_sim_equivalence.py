@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator
 
-import grpc
 import orjson
 import pytest
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ext_proc_grpc
@@ -15,10 +14,10 @@ from extproc.policy import Policy, policy_from_text
 from extproc.scheduler import Ticket
 from extproc.service.composition import compose
 from extproc.service.gateway import Gateway
-from extproc.service.server import start_grpc_server
 from gateway_lab.sim.replay import ReplayArrival, replay_admissions
 from tests.conftest import TEST_KEYS, policy_yaml
 from tests.grpc.test_extproc_stream import EnvoyPeer, body_message, headers_message
+from tests.grpc_support import served_stub
 
 LIMITS = "{requests_per_minute: 100000, tokens_per_minute: 100000000, max_queued: 100}"
 # (tenant, prompt words, max_tokens, x-priority): a mix of tiers, sizes and priorities.
@@ -73,13 +72,8 @@ async def live() -> AsyncIterator[tuple[Gateway, ext_proc_grpc.ExternalProcessor
         acme_limits=LIMITS, globex_limits=LIMITS, initech_limits=LIMITS, short_inflight=1
     )
     gateway = compose(policy_from_text(text))
-    server, port = await start_grpc_server(gateway, "127.0.0.1:0")
-    channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
-    try:
-        yield gateway, ext_proc_grpc.ExternalProcessorStub(channel)
-    finally:
-        await channel.close()
-        await server.stop(None)
+    async with served_stub(gateway) as stub:
+        yield gateway, stub
 
 
 async def test_live_service_admits_in_the_simulators_order(live) -> None:  # type: ignore[no-untyped-def]

@@ -6,7 +6,6 @@ from __future__ import annotations
 import types
 from collections.abc import AsyncIterator, Iterable
 
-import grpc
 import orjson
 import pytest
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ext_proc_grpc
@@ -21,11 +20,11 @@ from extproc.service.accounting import AccountingProcessor
 from extproc.service.composition import compose
 from extproc.service.gateway import Gateway
 from extproc.service.processor import AdmissionProcessor, http_headers
-from extproc.service.server import start_grpc_server
 from extproc.status.readings import histogram_buckets, quantile
 from extproc.types import GATEWAY_REQUEST_ID_HEADER
 from tests.conftest import TEST_KEYS, policy_yaml
 from tests.grpc.test_extproc_stream import EnvoyPeer, body_message, chat_body, headers_message
+from tests.grpc_support import served_stub
 
 ONE_PER_MINUTE = "{requests_per_minute: 1, tokens_per_minute: 1000000, max_queued: 64}"
 Service = tuple[Gateway, ext_proc_grpc.ExternalProcessorStub]
@@ -34,14 +33,8 @@ Service = tuple[Gateway, ext_proc_grpc.ExternalProcessorStub]
 @pytest.fixture
 async def service() -> AsyncIterator[Service]:
     gateway = compose(policy_from_text(policy_yaml(initech_limits=ONE_PER_MINUTE)))
-    server, port = await start_grpc_server(gateway, "127.0.0.1:0")
-    channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
-    try:
-        yield gateway, ext_proc_grpc.ExternalProcessorStub(channel)
-    finally:
-        await channel.close()
-        await server.stop(None)
-        await gateway.close()
+    async with served_stub(gateway, close_gateway=True) as stub:
+        yield gateway, stub
 
 
 async def chat(stub: ext_proc_grpc.ExternalProcessorStub, key: str) -> tuple[int, dict[str, str]]:
