@@ -9,11 +9,12 @@ from urllib.parse import unquote
 
 import orjson
 
+from extproc.endpoints import ENDPOINTS
 from extproc.errors import bad_request
 
 CHAT_PATH = "/v1/chat/completions"
 COMPLETIONS_PATH = "/v1/completions"
-INFERENCE_PATHS = (CHAT_PATH, COMPLETIONS_PATH)
+INFERENCE_PATHS = tuple(ENDPOINTS)
 MODELS_PATH = "/v1/models"
 # An encoded slash or backslash changes the path's segments once decoded: refused, as Envoy
 # does with `path_with_escaped_slashes_action: REJECT_REQUEST`.
@@ -155,4 +156,4 @@ def normalise_path(path: str) -> str:
 
 def inference_path(path: str) -> str | None:
     """The inference endpoint a normalised path (normalise_path) names, if any."""
-    return path if path in INFERENCE_PATHS else None
+    return path if path in ENDPOINTS else None

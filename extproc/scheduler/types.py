@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+from extproc.endpoints import EndpointClass
 from extproc.types import Outcome
 
 
@@ -23,6 +24,8 @@ class Ticket:
     """Already clamped by the policy; higher is served first inside the tenant."""
     deadline: float | None = None
     """Absolute clock time by which the request must be admitted, or None."""
+    endpoint: EndpointClass = "chat"
+    """The class of the endpoint called (extproc.endpoints): which limits apply."""
 
     def __post_init__(self) -> None:
         if self.input_tokens < 0 or self.max_output_tokens < 0:

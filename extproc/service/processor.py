@@ -22,6 +22,7 @@ from envoy.service.ext_proc.v3.external_processor_pb2 import (
 )
 
 from extproc.admission import Grant
+from extproc.endpoints import endpoint_class
 from extproc.errors import (
     GatewayError,
     bad_request,
@@ -270,6 +271,7 @@ class AdmissionProcessor:
             max_output_tokens=max_output,
             priority=priority,
             deadline=None if relative is None else self.port.now() + relative,
+            endpoint=endpoint_class(state.path) or "chat",
         )
 
     def on_response_headers(self, message: HttpHeaders) -> ProcessingResponse:
