@@ -17,9 +17,15 @@ ENDPOINT_CLASSES: Final[tuple[EndpointClass, ...]] = ("chat", "completions", "em
 GENERATIVE_CLASSES: Final[frozenset[EndpointClass]] = frozenset({"chat", "completions"})
 """Classes whose responses stream output tokens; the others answer once, input tokens only."""
 
+POOLING_CLASSES: Final[frozenset[EndpointClass]] = frozenset({"embeddings", "rerank"})
+"""Classes served by pooling models (vLLM's `--runner pooling`): no output, no stream."""
+
 ENDPOINTS: Final[dict[str, EndpointClass]] = {
     "/v1/chat/completions": "chat",
     "/v1/completions": "completions",
+    "/v1/embeddings": "embeddings",
+    "/v1/rerank": "rerank",
+    "/v1/score": "rerank",
 }
 """Inference path -> its class. Every path here is admitted under the policy; no other path
 reaches an engine."""

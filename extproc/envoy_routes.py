@@ -57,6 +57,7 @@ from envoy_data_plane.google.protobuf import Any as AnyProto
 from envoy_data_plane.google.protobuf import Struct
 from orjson import dumps
 
+from extproc.endpoints import ENDPOINTS
 from extproc.openai_request import INFERENCE_PATHS
 from extproc.policy import Policy
 from extproc.scheduler import retry_after
@@ -221,12 +222,16 @@ def routes(policy: Policy, extproc_filters: bool) -> RouteConfiguration:
     table: list[Route] = []
     for path in INFERENCE_PATHS:
         # The admission filter sets x-llm-pool and clears the route cache: the second match
-        # picks the pool. Before that (and without the filters) the smallest pool is chosen.
-        for pool in policy.pools:
+        # picks the pool, one that serves the path's class. Before that (and without the
+        # filters) the smallest such pool is chosen; with none, the smallest pool: the
+        # admission filter answers the request itself (no pool serves it).
+        serving = policy.pools_by_class[ENDPOINTS[path]]
+        for pool, _ in serving:
             chosen = HeaderMatcher(name=POOL_HEADER, string_match=StringMatcher(exact=pool))
             match = RouteMatch(path=path, headers=[_method_is("POST"), chosen])
             table.append(to_pool(match, f"pool_{pool}"))
-        table.append(to_pool(RouteMatch(path=path, headers=[_method_is("POST")]), smallest))
+        first = f"pool_{serving[0][0]}" if serving else smallest
+        table.append(to_pool(RouteMatch(path=path, headers=[_method_is("POST")]), first))
         table.append(_wrong_method(path, "POST"))
     table.append(to_pool(RouteMatch(path=MODELS_PATH, headers=[_method_is("GET")]), smallest))
     table.append(_wrong_method(MODELS_PATH, "GET"))

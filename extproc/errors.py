@@ -83,6 +83,16 @@ def not_found(message: str) -> GatewayError:
     return GatewayError(Outcome.BAD_REQUEST, 404, message, "not_found")
 
 
+def endpoint_not_served(endpoint: str) -> GatewayError:
+    """No pool of the policy serves this endpoint class (`Pool.serves`)."""
+    return GatewayError(
+        Outcome.BAD_REQUEST,
+        404,
+        f"this gateway has no model serving {endpoint} requests",
+        "endpoint_not_served",
+    )
+
+
 def method_not_allowed(path: str, allowed: str) -> GatewayError:
     return GatewayError(
         Outcome.BAD_REQUEST,

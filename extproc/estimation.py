@@ -44,8 +44,8 @@ import math
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from extproc.openai_request import PromptParts
 from extproc.policy.model import Estimation
+from extproc.prompt import PromptParts
 
 log = logging.getLogger(__name__)
 
@@ -276,15 +276,16 @@ class TokenEstimator:
         return out
 
     def estimate_prompt(self, prompt: PromptParts) -> int:
-        """Estimated prompt tokens (at least 1)."""
+        """Estimated prompt tokens (at least 1); tokens given as ids count exactly."""
+        known = self.framing(prompt) + prompt.token_ids
         if self._encoding is not None:
-            return max(1, self._exact_content(prompt) + self.framing(prompt))
+            return max(1, self._exact_content(prompt) + known)
         inv = self._inv
         tokens = 0.0
         for c, size in enumerate(self.category_bytes(prompt)):
             if size:
                 tokens += size * inv[c]
-        return max(1, math.ceil(tokens) + self.framing(prompt))
+        return max(1, math.ceil(tokens) + known)
 
     def _exact_content(self, prompt: PromptParts) -> int:
         encoding = self._encoding
@@ -318,7 +319,7 @@ class TokenEstimator:
         for c, size in enumerate(sizes):
             if size:
                 content_est += size / ratio[c]
-        content_actual = actual_prompt_tokens - self.framing(prompt)
+        content_actual = actual_prompt_tokens - self.framing(prompt) - prompt.token_ids
         if content_est <= 0:
             return error
         if content_actual < 1 or not (

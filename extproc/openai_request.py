@@ -1,19 +1,25 @@
-"""Validate an OpenAI chat/completions request body and pull out what admission needs."""
+"""Validate an inference request body and pull out what admission needs: chat and completions
+here, the pooling endpoints (embeddings, rerank, score) in `extproc.pooling_request`."""
 
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 from urllib.parse import unquote
 
 import orjson
 
-from extproc.endpoints import ENDPOINTS
+from extproc.endpoints import ENDPOINTS, POOLING_CLASSES, EndpointClass
 from extproc.errors import bad_request
+from extproc.pooling_request import embeddings_prompt, rerank_prompt, score_prompt
+from extproc.prompt import PromptParts
 
 CHAT_PATH = "/v1/chat/completions"
 COMPLETIONS_PATH = "/v1/completions"
+EMBEDDINGS_PATH = "/v1/embeddings"
+RERANK_PATH = "/v1/rerank"
+SCORE_PATH = "/v1/score"
 INFERENCE_PATHS = tuple(ENDPOINTS)
 MODELS_PATH = "/v1/models"
 # An encoded slash or backslash changes the path's segments once decoded: refused, as Envoy
@@ -21,25 +27,20 @@ MODELS_PATH = "/v1/models"
 _ENCODED_SEPARATOR = re.compile("%(2f|5c)", re.IGNORECASE)
 
 
-@dataclass
-class PromptParts:
-    """The text that will be tokenised, split by role so framing can be estimated."""
-
-    texts: list[str] = field(default_factory=list)
-    messages: int = 0
-    tools_json: str = ""
-    tools: int = 0
+__all__ = ["InferenceRequest", "PromptParts", "parse_inference_request"]
 
 
 @dataclass
 class InferenceRequest:
     path: str
+    endpoint: EndpointClass
     body: dict[str, Any]
     model: str | None
     stream: bool
     include_usage: bool
     max_tokens: int | None
     prompt: PromptParts
+    """max_tokens is None and stream False for the pooling classes: they have no output."""
 
 
 def _content_text(content: Any, where: str) -> list[str]:
@@ -102,6 +103,14 @@ def _positive_int(body: dict[str, Any], name: str) -> int | None:
     return value
 
 
+def _pooling_prompt(path: str, body: dict[str, Any]) -> PromptParts:
+    if path == EMBEDDINGS_PATH:
+        return embeddings_prompt(body, _chat_prompt)
+    if path == RERANK_PATH:
+        return rerank_prompt(body)
+    return score_prompt(body)
+
+
 def parse_inference_request(path: str, raw: bytes) -> InferenceRequest:
     """Parse and validate; raises GatewayError (400) with a message naming the problem."""
     try:
@@ -113,6 +122,11 @@ def parse_inference_request(path: str, raw: bytes) -> InferenceRequest:
     model = body.get("model")
     if not isinstance(model, str) or not model:
         raise bad_request("'model' is required and must be a string", "missing_field")
+    endpoint = ENDPOINTS[path]
+    if endpoint in POOLING_CLASSES:
+        return InferenceRequest(
+            path, endpoint, body, model, False, False, None, _pooling_prompt(path, body)
+        )
     prompt = _chat_prompt(body) if path == CHAT_PATH else _completion_prompt(body)
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
@@ -123,6 +137,7 @@ def parse_inference_request(path: str, raw: bytes) -> InferenceRequest:
     max_tokens = _positive_int(body, "max_completion_tokens") or _positive_int(body, "max_tokens")
     return InferenceRequest(
         path=path,
+        endpoint=endpoint,
         body=body,
         model=model,
         stream=stream,

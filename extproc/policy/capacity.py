@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from extproc.endpoints import ENDPOINT_CLASSES, ENDPOINTS
 from extproc.policy.model import DEFAULT_HEADROOM_MAX, PolicyFile, Pool
 
 ADAPTIVE_INITIAL_MAX = 16
@@ -66,6 +67,20 @@ def describe_pools(source: PolicyFile) -> list[str]:
             f"headroom {headroom} ({_headroom_origin(pool)}), "
             f"{_adaptive_line(pool, soft, shared_state)}"
         )
+    return lines
+
+
+def describe_endpoints(source: PolicyFile) -> list[str]:
+    """One line per endpoint class: its paths and the pools serving it (`Pool.serves`),
+    smallest first as routing tries them."""
+    by_size = sorted(source.pools.items(), key=lambda item: item[1].max_total_tokens)
+    lines = []
+    for endpoint in ENDPOINT_CLASSES:
+        paths = ", ".join(path for path, kind in ENDPOINTS.items() if kind == endpoint)
+        pools = [name for name, pool in by_size if endpoint in pool.serves]
+        label = "pool" if len(pools) == 1 else "pools"
+        served = f"{label} {', '.join(pools)}" if pools else "no pool: answered 404"
+        lines.append(f"{endpoint} ({paths}): {served}")
     return lines
 
 

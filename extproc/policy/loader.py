@@ -109,6 +109,9 @@ def semantic_issues(policy: PolicyFile) -> list[tuple[FieldPath, str]]:
             elif key in owner_of_key:
                 found.append((path, "key hash listed twice"))
             owner_of_key[key] = name
+    for name, pool in policy.pools.items():
+        if len(set(pool.serves)) != len(pool.serves):
+            found.append((("pools", name, "serves"), "an endpoint class is listed twice"))
     if policy.priority.min > policy.priority.max:
         found.append((("priority", "min"), "must not exceed priority.max"))
     if not policy.priority.min <= policy.priority.default <= policy.priority.max:

@@ -11,6 +11,8 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 
+from extproc.endpoints import EndpointClass
+
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h)\s*$")
 _UNIT_SECONDS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0}
 
@@ -100,6 +102,10 @@ class Pool(StrictModel):
     max_inflight: PositiveInt
     max_inflight_tokens: PositiveInt
     endpoints: Annotated[list[str], Field(min_length=1)]
+    serves: Annotated[list[EndpointClass], Field(min_length=1)] = ["chat", "completions"]
+    """The endpoint classes (extproc.endpoints) its engines serve: generative models serve
+    chat and completions, pooling models (vLLM `--runner pooling`) embeddings and rerank (which
+    includes /v1/score). A request goes only to a pool that serves its class."""
     headroom: NonNegativeInt | None = None
     """Requests above the soft limit (max_inflight - headroom) that only tenants below their
     fair share may use, so a quiet tenant never waits for a whole flooder request. Omitted:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from extproc.endpoints import ENDPOINT_CLASSES, EndpointClass
 from extproc.policy.keys import KeyIndex
 from extproc.policy.loader import load_policy_file, parse_policy
 from extproc.policy.model import PolicyFile, Pool, Tenant
@@ -19,6 +20,8 @@ class Policy:
     """0 for the highest tier."""
     pools_by_size: tuple[tuple[str, Pool], ...]
     """Pools ordered by max_total_tokens, smallest first: routing takes the first that fits."""
+    pools_by_class: dict[EndpointClass, tuple[tuple[str, Pool], ...]]
+    """The pools serving each endpoint class (`Pool.serves`), ordered like pools_by_size."""
 
     @property
     def tenants(self) -> dict[str, Tenant]:
@@ -44,14 +47,17 @@ class Policy:
 
 def compile_policy(source: PolicyFile, file: str = "<policy>") -> Policy:
     hashed = {key: name for name, tenant in source.tenants.items() for key in tenant.api_keys}
+    by_size = tuple(sorted(source.pools.items(), key=lambda item: item[1].max_total_tokens))
     return Policy(
         source=source,
         file=file,
         keys=KeyIndex(hashed),
         tier_rank={tier: rank for rank, tier in enumerate(source.tiers)},
-        pools_by_size=tuple(
-            sorted(source.pools.items(), key=lambda item: item[1].max_total_tokens)
-        ),
+        pools_by_size=by_size,
+        pools_by_class={
+            endpoint: tuple(item for item in by_size if endpoint in item[1].serves)
+            for endpoint in ENDPOINT_CLASSES
+        },
     )
 
 

@@ -22,7 +22,7 @@ from envoy.service.ext_proc.v3.external_processor_pb2 import (
 )
 
 from extproc.admission import Grant
-from extproc.endpoints import endpoint_class
+from extproc.endpoints import GENERATIVE_CLASSES, EndpointClass
 from extproc.errors import (
     GatewayError,
     bad_request,
@@ -194,13 +194,13 @@ class AdmissionProcessor:
             request = parse_inference_request(path, message.body)
             state.prompt = request.prompt
             state.prompt_estimate = self.port.estimate_prompt(request.prompt)
-            max_output = request.max_tokens or self.policy.source.gateway.default_max_tokens
+            max_output = self._max_output(request)
             state.budget = state.prompt_estimate + max_output
-            state.pool = choose_pool(self.policy, state.budget)
+            state.pool = choose_pool(self.policy, state.budget, request.endpoint)
             tokens_per_minute = self.policy.tenants[state.tenant].limits.tokens_per_minute
             if tokens_per_minute is not None and state.budget > tokens_per_minute:
                 raise never_fits_rate_limit(state.tenant, state.budget, tokens_per_minute)
-            ticket = self._ticket(max_output)
+            ticket = self._ticket(request.endpoint, max_output)
         except GatewayError as error:
             yield self._reject(error)
             return
@@ -221,6 +221,13 @@ class AdmissionProcessor:
         self.port.admitted(state)
         yield self._forward(request)
 
+    def _max_output(self, request: InferenceRequest) -> int:
+        """The output tokens reserved: none for a pooling request (embeddings, rerank), so
+        its budget and fair-share cost are its input alone."""
+        if request.endpoint not in GENERATIVE_CLASSES:
+            return 0
+        return request.max_tokens or self.policy.source.gateway.default_max_tokens
+
     def _forward(self, request: InferenceRequest) -> ProcessingResponse:
         """Let the request go upstream with the gateway's headers.
 
@@ -229,7 +236,8 @@ class AdmissionProcessor:
         count of prompt and output tokens we can observe without holding every chunk in a
         synchronous filter. The client receives that one extra chunk; it is part of the
         OpenAI streaming format and OpenAI SDKs accept it. Counting deltas instead would miss
-        the prompt tokens and merged or withheld tokens.
+        the prompt tokens and merged or withheld tokens. A pooling request is never streamed
+        (its parse says so): its JSON response carries usage, and its body goes unchanged.
         """
         values, removed = self._upstream_headers()
         if not request.stream or request.include_usage:
@@ -252,7 +260,7 @@ class AdmissionProcessor:
             # Admitted in the same instant the stream was cancelled: finish() releases it.
             self.state.grant = turn.result()
 
-    def _ticket(self, max_output: int) -> Ticket:
+    def _ticket(self, endpoint: EndpointClass, max_output: int) -> Ticket:
         state = self.state
         assert state.tenant is not None and state.tier is not None and state.pool is not None
         tenant = self.policy.tenants[state.tenant]
@@ -271,7 +279,7 @@ class AdmissionProcessor:
             max_output_tokens=max_output,
             priority=priority,
             deadline=None if relative is None else self.port.now() + relative,
-            endpoint=endpoint_class(state.path) or "chat",
+            endpoint=endpoint,
         )
 
     def on_response_headers(self, message: HttpHeaders) -> ProcessingResponse:

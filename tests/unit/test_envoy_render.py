@@ -107,7 +107,8 @@ def test_routes_are_an_allowlist() -> None:
     routes = manager["routeConfig"]["virtualHosts"][0]["routes"]
     to_pools = [r for r in routes if "route" in r]
     assert {r["match"].get("path") for r in to_pools} == {
-        "/v1/chat/completions", "/v1/completions", "/v1/models",
+        "/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/rerank",
+        "/v1/score", "/v1/models",
     }  # fmt: skip
     for route in to_pools:
         methods = [h for h in route["match"]["headers"] if h["name"] == ":method"]
@@ -131,7 +132,10 @@ def test_wrong_method_gets_405_with_allow() -> None:
         for r in routes
         if r.get("directResponse", {}).get("status") == 405
     }
-    assert set(answers) == {"/v1/chat/completions", "/v1/completions", "/v1/models"}
+    assert set(answers) == {
+        "/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/rerank",
+        "/v1/score", "/v1/models",
+    }  # fmt: skip
     chat = answers["/v1/chat/completions"]
     added = {h["header"]["key"]: h["header"]["value"] for h in chat["responseHeadersToAdd"]}
     assert added == {"content-type": "application/json", "allow": "POST"}
