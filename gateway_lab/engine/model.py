@@ -20,7 +20,9 @@ Each `step(now)`, following vLLM V1's scheduler:
    request's whole prompt remain; the head of the queue blocks the others (no skipping).
 3. A request whose prefill completes in the step samples its first token in that step; every
    decode samples one token. A request finishes when it has `max_tokens` output tokens (the
-   emulator behaves as `ignore_eos`).
+   emulator behaves as `ignore_eos`). A pooling request (`add_request(pooling=True)`, max_tokens
+   0: an embedding or a scored text, as vLLM's pooling runner runs it) finishes when its
+   prefill completes, with no token sampled and no decode.
 
 KV accounting: a request holds ceil(computed_tokens / block_size) blocks; the whole prompt's
 blocks are reserved at admission, later blocks are taken one by one as decodes grow the context.
@@ -140,11 +142,16 @@ class EngineCore:
 
     # -- requests ----------------------------------------------------------------------------
 
-    def check_request(self, prompt_tokens: int, max_tokens: int) -> str | None:
-        """Why a request cannot be served, or None if it can."""
+    def check_request(
+        self, prompt_tokens: int, max_tokens: int, pooling: bool = False
+    ) -> str | None:
+        """Why a request cannot be served, or None if it can. A pooling request has no
+        output (max_tokens 0); any other needs at least one token."""
         if prompt_tokens < 1:
             return "the prompt must have at least 1 token"
-        if max_tokens < 1:
+        if pooling and max_tokens:
+            return "a pooling request has no output tokens (max_tokens 0)"
+        if not pooling and max_tokens < 1:
             return "max_tokens must be at least 1"
         if prompt_tokens + max_tokens > self.profile.max_model_len:
             return (
@@ -160,6 +167,7 @@ class EngineCore:
         max_tokens: int,
         arrival_time: float = 0.0,
         priority: int = 0,
+        pooling: bool = False,
     ) -> None:
         """Queue a request; raises ValueError if it is a duplicate or can never be served.
 
@@ -167,7 +175,7 @@ class EngineCore:
         the "priority" scheduling policy; under "fcfs" it is ignored, as vLLM ignores it."""
         if req_id in self._seqs:
             raise ValueError(f"duplicate request id {req_id!r}")
-        problem = self.check_request(prompt_tokens, max_tokens)
+        problem = self.check_request(prompt_tokens, max_tokens, pooling)
         if problem is not None:
             raise ValueError(problem)
         seq = _Seq(req_id, prompt_tokens, max_tokens, arrival_time, priority, self._submitted)
@@ -296,6 +304,10 @@ class EngineCore:
             seq.num_computed += new
             if seq.num_computed < seq.prompt_tokens + seq.num_output:
                 continue  # a prefill chunk that does not finish the prompt
+            if not seq.max_tokens:  # pooling: the prefill is the whole request
+                self.prompt_tokens_total += seq.prompt_tokens
+                finished.append(self._finish(seq, end))
+                continue
             seq.num_output += 1
             output.append(seq.req_id)
             if seq.num_output == 1:
@@ -306,7 +318,7 @@ class EngineCore:
                 finished.append(self._finish(seq, end))
         self.generation_tokens_total += len(output)
         if finished:
-            self._running = [s for s in running if s.num_output < s.max_tokens]
+            self._running = [s for s in running if s.req_id in self._seqs]
         self.steps_total += 1
         return StepResult(
             now,

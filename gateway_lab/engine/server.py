@@ -4,7 +4,8 @@ One asyncio task runs the engine: it takes a step from the core, sleeps the step
 real time (clock: time.monotonic, not the loop's clock, which uvloop rounds to 1 ms and caches
 per iteration), then delivers that step's tokens to the waiting request handlers; with no work it
 awaits an event. Request and response JSON, SSE framing, error bodies and `vllm:` metrics
-follow vLLM's OpenAI server. Every output is generated as if `ignore_eos` were set: a request
+follow vLLM's OpenAI server; the pooling endpoints (embeddings, rerank, score) are in
+`gateway_lab.engine.pooling_api`. Every output is generated as if `ignore_eos` were set: a request
 always produces its `max_tokens` (finish_reason "length").
 
 max_tokens: `max_completion_tokens` (chat) or `max_tokens`; when absent, `default_max_tokens`
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import socket
 import time
@@ -43,6 +45,7 @@ from gateway_lab.engine.openai_api import (
     token_event,
     usage_of,
 )
+from gateway_lab.engine.pooling_api import PoolingKind, parse_pooling_request, response_body
 from gateway_lab.engine.profiles import EngineProfile, get_profile
 
 log = logging.getLogger(__name__)
@@ -205,8 +208,17 @@ class EngineServer:
             elif entry.stream:
                 entry.events.put_nowait(_TOKEN)
         for finished in result.finished:
-            metrics.success["length"] += 1
             metrics.queue_time.observe(finished.scheduled_time - finished.arrival_time)
+            if finished.output_tokens:
+                metrics.success["length"] += 1
+                continue
+            # A pooling request: done at its prefill, no token delivered above (vLLM counts
+            # it as finished by "stop").
+            metrics.success["stop"] += 1
+            entry = pending.get(finished.req_id)
+            if entry is not None:
+                metrics.e2e.observe(now - entry.arrival)
+                entry.events.put_nowait(_FINISHED)
 
     # -- HTTP --------------------------------------------------------------------------------
 
@@ -215,6 +227,8 @@ class EngineServer:
         app.on_response_prepare.append(self._add_engine_header)
         app.router.add_post("/v1/chat/completions", self._chat_completions)
         app.router.add_post("/v1/completions", self._completions)
+        for kind in ("embeddings", "rerank", "score"):
+            app.router.add_post(f"/v1/{kind}", functools.partial(self._pooling, kind=kind))
         app.router.add_get("/v1/models", self._models)
         app.router.add_get("/health", self._health)
         app.router.add_get("/metrics", self._metrics)
@@ -282,6 +296,41 @@ class EngineServer:
             # Still known to the core only if it did not finish: the client went away.
             if self.core.abort(req_id):
                 self.metrics.success["abort"] += 1
+
+    async def _pooling(self, request: web.Request, *, kind: PoolingKind) -> web.Response:
+        """One pooling call: an engine request per input, each only prefilled; the answer
+        once all have finished."""
+        arrival = time.monotonic()
+        params = parse_pooling_request(
+            kind,
+            await read_json(request),
+            model=self.model,
+            strict_model=self.strict_model,
+            max_model_len=self.profile.max_model_len,
+        )
+        if self.profile.frontend_s > 0:
+            await asyncio.sleep(self.profile.frontend_s)
+        if self._closing or self._failed:
+            raise ApiError(503, "The engine is not running.", "ServiceUnavailableError")
+        ids = [f"{params.req_id}-{index}" for index in range(len(params.tokens))]
+        entries = [_Pending(arrival, False) for _ in ids]
+        self._pending.update(zip(ids, entries, strict=True))
+        try:
+            now = time.monotonic()
+            for req_id, tokens in zip(ids, params.tokens, strict=True):
+                self.core.add_request(req_id, tokens, 0, now, params.priority, pooling=True)
+            self._wake.set()
+            for entry in entries:
+                if await entry.events.get() == _STOPPED:
+                    raise ApiError(503, "The engine stopped.", "ServiceUnavailableError")
+            return web.Response(
+                body=orjson.dumps(response_body(params)), content_type="application/json"
+            )
+        finally:
+            for req_id in ids:
+                del self._pending[req_id]
+                if self.core.abort(req_id):
+                    self.metrics.success["abort"] += 1
 
     async def _stream(
         self, request: web.Request, params: Params, entry: _Pending
