@@ -12,7 +12,7 @@ import orjson
 
 from extproc.endpoints import ENDPOINTS, POOLING_CLASSES, EndpointClass
 from extproc.errors import bad_request
-from extproc.pooling_request import embeddings_prompt, rerank_prompt, score_prompt
+from extproc.pooling_request import PoolingPrompt, embeddings_prompt, rerank_prompt, score_prompt
 from extproc.prompt import PromptParts
 
 CHAT_PATH = "/v1/chat/completions"
@@ -41,6 +41,9 @@ class InferenceRequest:
     max_tokens: int | None
     prompt: PromptParts
     """max_tokens is None and stream False for the pooling classes: they have no output."""
+    longest_input: PromptParts | None = None
+    """Pooling classes: the longest single input, which routing fits to a pool (each input is
+    a sequence of its own); None: the whole prompt is one sequence."""
 
 
 def _content_text(content: Any, where: str) -> list[str]:
@@ -103,7 +106,7 @@ def _positive_int(body: dict[str, Any], name: str) -> int | None:
     return value
 
 
-def _pooling_prompt(path: str, body: dict[str, Any]) -> PromptParts:
+def _pooling_prompt(path: str, body: dict[str, Any]) -> PoolingPrompt:
     if path == EMBEDDINGS_PATH:
         return embeddings_prompt(body, _chat_prompt)
     if path == RERANK_PATH:
@@ -124,8 +127,9 @@ def parse_inference_request(path: str, raw: bytes) -> InferenceRequest:
         raise bad_request("'model' is required and must be a string", "missing_field")
     endpoint = ENDPOINTS[path]
     if endpoint in POOLING_CLASSES:
+        pooling = _pooling_prompt(path, body)
         return InferenceRequest(
-            path, endpoint, body, model, False, False, None, _pooling_prompt(path, body)
+            path, endpoint, body, model, False, False, None, pooling.prompt, pooling.longest
         )
     prompt = _chat_prompt(body) if path == CHAT_PATH else _completion_prompt(body)
     stream = body.get("stream", False)

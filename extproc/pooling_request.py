@@ -21,6 +21,7 @@ the account is settled from the engine's own `usage.prompt_tokens` either way.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from extproc.errors import bad_request
@@ -38,40 +39,57 @@ SCORE_SIDES: tuple[tuple[str, str], ...] = (
 """vLLM's spellings of the two sides of a score request, in the order it tries them."""
 
 
+@dataclass(frozen=True, slots=True)
+class PoolingPrompt:
+    prompt: PromptParts
+    """Everything the call encodes: its estimate is the call's cost."""
+    longest: PromptParts
+    """Its longest single input. The engine runs each input as a sequence of its own, so this,
+    not the whole batch, must fit a pool's max_total_tokens."""
+
+
+def _of_texts(texts: list[str]) -> PoolingPrompt:
+    longest = max(texts, key=lambda text: len(text.encode("utf-8", "surrogatepass")))
+    return PoolingPrompt(PromptParts(texts=texts), PromptParts(texts=[longest]))
+
+
+def _of_ids(lengths: list[int]) -> PoolingPrompt:
+    return PoolingPrompt(PromptParts(token_ids=sum(lengths)), PromptParts(token_ids=max(lengths)))
+
+
 def _is_token_id(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
 def embeddings_prompt(
     body: dict[str, Any], chat_prompt: Callable[[dict[str, Any]], PromptParts]
-) -> PromptParts:
+) -> PoolingPrompt:
     """What an embeddings request asks the engine to encode. `chat_prompt` parses vLLM's
     chat form (`messages`) like a chat request's."""
     if "input" not in body and "messages" in body:
-        return chat_prompt(body)
+        messages = chat_prompt(body)  # one conversation: one sequence
+        return PoolingPrompt(messages, messages)
     value = body.get("input")
     if value is None:
         raise bad_request(
             f"'input' is required and must be {EMBEDDINGS_INPUT_SHAPES}", "missing_field"
         )
     if isinstance(value, str):
-        return PromptParts(texts=[value])
+        return _of_texts([value])
     if not isinstance(value, list) or not value:
         raise bad_request(f"'input' must be {EMBEDDINGS_INPUT_SHAPES}, not empty")
     if all(isinstance(item, str) for item in value):
-        return PromptParts(texts=list(value))
+        return _of_texts(list(value))
     if all(_is_token_id(item) for item in value):
-        return PromptParts(token_ids=len(value))
+        return _of_ids([len(value)])
     if all(isinstance(item, list) for item in value):
-        ids = 0
         for index, item in enumerate(value):
             if not item or not all(_is_token_id(token) for token in item):
                 raise bad_request(
                     f"'input[{index}]' must be a non-empty array of token ids "
                     "(non-negative integers)"
                 )
-            ids += len(item)
-        return PromptParts(token_ids=ids)
+        return _of_ids([len(item) for item in value])
     raise bad_request(f"'input' must be {EMBEDDINGS_INPUT_SHAPES}, one kind throughout")
 
 
@@ -103,16 +121,16 @@ def _score_side(body: dict[str, Any], name: str) -> list[str]:
     return [_score_input_text(value, name)]
 
 
-def _pairs(first: list[str], second: list[str], names: tuple[str, str]) -> PromptParts:
+def _pairs(first: list[str], second: list[str], names: tuple[str, str]) -> PoolingPrompt:
     if len(first) != 1 and len(first) != len(second):
         raise bad_request(
             f"'{names[0]}' must hold one input or as many as '{names[1]}' "
             f"({len(first)} vs {len(second)})"
         )
-    return PromptParts(texts=first + second)
+    return _of_texts(first + second)
 
 
-def rerank_prompt(body: dict[str, Any]) -> PromptParts:
+def rerank_prompt(body: dict[str, Any]) -> PoolingPrompt:
     """A rerank request: the query against each document."""
     query = body.get("query")
     if query is None:
@@ -125,7 +143,7 @@ def rerank_prompt(body: dict[str, Any]) -> PromptParts:
     )
 
 
-def score_prompt(body: dict[str, Any]) -> PromptParts:
+def score_prompt(body: dict[str, Any]) -> PoolingPrompt:
     """A score request: its first side against its second (one to many, or pairwise)."""
     for names in SCORE_SIDES:
         if names[0] in body or names[1] in body:

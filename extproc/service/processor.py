@@ -196,7 +196,9 @@ class AdmissionProcessor:
             state.prompt_estimate = self.port.estimate_prompt(request.prompt)
             max_output = self._max_output(request)
             state.budget = state.prompt_estimate + max_output
-            state.pool = choose_pool(self.policy, state.budget, request.endpoint)
+            longest = request.longest_input
+            sequence = state.budget if longest is None else self.port.estimate_prompt(longest)
+            state.pool = choose_pool(self.policy, sequence, request.endpoint)
             tokens_per_minute = self.policy.tenants[state.tenant].limits.tokens_per_minute
             if tokens_per_minute is not None and state.budget > tokens_per_minute:
                 raise never_fits_rate_limit(state.tenant, state.budget, tokens_per_minute)

@@ -132,6 +132,28 @@ async def test_pooling_calls_are_routed_and_accounted_from_json_usage(
     ) in (None, 0.0)
 
 
+async def test_a_batch_larger_than_the_pool_context_is_routed_by_its_longest_input(
+    service: tuple[Gateway, ext_proc_grpc.ExternalProcessorStub],
+) -> None:
+    """2,000 inputs of a few tokens: far above the pool's max_total_tokens (8192) together,
+    each well inside it; one input above it is refused."""
+    gateway, stub = service
+    batch = [f"input number {i} of a large embedding batch" for i in range(2000)]
+    peer = EnvoyPeer(stub)
+    await peer.send(headers_message("POST", "/v1/embeddings", TEST_KEYS["globex"]))
+    reply = await peer.send(body_message(orjson.dumps(embeddings_body(batch))))
+    assert set_headers(reply, "request_body")["x-llm-pool"] == EMBED_POOL
+    assert gateway.scheduler.snapshot()["pools"][EMBED_POOL]["inflight_tokens"] > 8192
+    await peer.close()
+    peer = EnvoyPeer(stub)
+    await peer.send(headers_message("POST", "/v1/embeddings", TEST_KEYS["globex"]))
+    reply = await peer.send(body_message(orjson.dumps(embeddings_body(["x", "word " * 9000]))))
+    assert reply.immediate_response.status.code == 400
+    error = orjson.loads(reply.immediate_response.body)["error"]
+    assert error["code"] == "context_length_exceeded" and "longest input" in error["message"]
+    await peer.close()
+
+
 async def test_a_chat_request_never_goes_to_the_pooling_pool(
     service: tuple[Gateway, ext_proc_grpc.ExternalProcessorStub],
 ) -> None:

@@ -59,6 +59,20 @@ def test_embeddings_inputs_of_every_shape(inputs: object, texts: list[str], ids:
     assert request.max_tokens is None and request.stream is False
 
 
+def test_the_longest_input_is_what_must_fit_a_pool() -> None:
+    """Each input of a batch runs as its own sequence: routing fits the longest one."""
+    texts = parse("/v1/embeddings", {"model": "m", "input": ["ab", "a much longer text", "c"]})
+    assert texts.longest_input == PromptParts(texts=["a much longer text"])
+    ids = parse("/v1/embeddings", {"model": "m", "input": [[1, 2], [3, 4, 5, 6], [7]]})
+    assert ids.prompt.token_ids == 7 and ids.longest_input == PromptParts(token_ids=4)
+    rerank = parse("/v1/rerank", {"model": "m", "query": "a long query text", "documents": ["d"]})
+    assert rerank.longest_input == PromptParts(texts=["a long query text"])
+    chat = parse(
+        "/v1/chat/completions", {"model": "m", "messages": [{"role": "u", "content": "x"}]}
+    )
+    assert chat.longest_input is None
+
+
 def test_embeddings_in_vllm_chat_form() -> None:
     body = {"model": "m", "messages": [{"role": "user", "content": "hi there"}]}
     request = parse("/v1/embeddings", body)
@@ -149,7 +163,7 @@ def test_routing_by_class_then_budget() -> None:
     with pytest.raises(GatewayError) as caught:
         choose_pool(policy, 9000, "embeddings")
     assert caught.value.code == "context_length_exceeded"
-    assert "(input)" in caught.value.message and "8192" in caught.value.message
+    assert "(its longest input)" in caught.value.message and "8192" in caught.value.message
 
 
 def test_a_class_no_pool_serves_gets_an_openai_404() -> None:
