@@ -10,6 +10,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from extproc.endpoints import EndpointClass
 from extproc.errors import GatewayError
 from extproc.policy.runtime import Policy
 from extproc.routing import choose_pool
@@ -39,9 +40,10 @@ class SimGateway:
 
     # --- the processor's part -------------------------------------------------------------
 
-    def route(self, budget_tokens: int) -> str:
-        """The pool for a budget (raises GatewayError when no pool holds it)."""
-        return choose_pool(self.policy, budget_tokens)
+    def route(self, budget_tokens: int, endpoint: EndpointClass = "chat") -> str:
+        """The pool for a budget among those serving `endpoint` (raises GatewayError when
+        none holds it)."""
+        return choose_pool(self.policy, budget_tokens, endpoint)
 
     def ticket(
         self,
@@ -51,6 +53,7 @@ class SimGateway:
         input_tokens: int,
         max_tokens: int,
         priority: int | None = None,
+        endpoint: EndpointClass = "chat",
     ) -> Ticket:
         """A ticket like the processor's: clamped priority, the tier's default deadline."""
         spec = self.policy.tenant(tenant)
@@ -69,6 +72,7 @@ class SimGateway:
             max_output_tokens=max_tokens,
             priority=clamped,
             deadline=deadline,
+            endpoint=endpoint,
         )
 
     # --- the admission controller's part ---------------------------------------------------
@@ -102,8 +106,10 @@ class SimGateway:
         self._last_fired = at
 
 
-def route_or_error(gateway: SimGateway, budget: int) -> str | GatewayError:
+def route_or_error(
+    gateway: SimGateway, budget: int, endpoint: EndpointClass = "chat"
+) -> str | GatewayError:
     try:
-        return gateway.route(budget)
+        return gateway.route(budget, endpoint)
     except GatewayError as error:
         return error

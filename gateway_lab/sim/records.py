@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from extproc.endpoints import EndpointClass
 from extproc.types import Outcome
 
 
@@ -22,6 +23,8 @@ class RequestRecord:
     """max_tokens the client asked for: the scheduler reserves it and routing counts it."""
     priority: int = 0
     """vLLM's request priority (lower first) the engine gets; see TraceRequest.priority."""
+    endpoint: EndpointClass = "chat"
+    """A pooling class (embeddings, rerank) runs its prefill only: no output, no max_tokens."""
     tier: str | None = None
     pool: str | None = None
     outcome: Outcome | None = None
@@ -47,6 +50,7 @@ class RequestRecord:
 
     @property
     def ttft(self) -> float | None:
+        """Time to the first token; a pooling request's whole answer."""
         return None if self.first_token_at is None else self.first_token_at - self.arrival
 
     @property

@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from heapq import heappop, heappush
 from typing import Any
 
+from extproc.endpoints import POOLING_CLASSES
 from extproc.errors import GatewayError
 from extproc.policy.runtime import Policy
 from extproc.scheduler import Admission, Rejection
@@ -114,7 +115,10 @@ class SimResult:
 def engine_output(
     request: TraceRequest, max_tokens: MaxTokens, default_max_tokens: int
 ) -> tuple[int, int]:
-    """(max_tokens the client sends, tokens the engine generates) for a trace request."""
+    """(max_tokens the client sends, tokens the engine generates) for a trace request; none
+    for a pooling request (embeddings, rerank)."""
+    if request.endpoint in POOLING_CLASSES:
+        return 0, 0
     if max_tokens == "actual":
         limit = request.output_tokens
     elif max_tokens == "default":
@@ -162,6 +166,7 @@ class Simulation:
                     output_tokens=output,
                     max_tokens=max_tokens,
                     priority=request.priority,
+                    endpoint=request.endpoint,
                 )
             )
         self._by_id = {record.request_id: record for record in self.records}
@@ -239,13 +244,18 @@ class Simulation:
         limit = self.config.slo.ttft_limit(record.input_tokens)
         if limit is not None and self.config.stop_after_misses is not None:
             heappush(self._ttft_watch, (now + limit, record.index))
-        pool = route_or_error(gateway, record.input_tokens + record.max_tokens)
+        pool = route_or_error(gateway, record.input_tokens + record.max_tokens, record.endpoint)
         if isinstance(pool, GatewayError):
             self._resolve(record, pool.outcome, pool.message)
             return
         record.pool = pool
         ticket = gateway.ticket(
-            record.request_id, record.tenant, pool, record.input_tokens, record.max_tokens
+            record.request_id,
+            record.tenant,
+            pool,
+            record.input_tokens,
+            record.max_tokens,
+            endpoint=record.endpoint,
         )
         rejection = gateway.submit(ticket)
         if rejection is not None:
@@ -257,7 +267,8 @@ class Simulation:
         assert record.replica is not None and record.lease_id is not None
         replica = self.fleet.replicas[record.replica]
         core = replica.core
-        problem = core.check_request(record.input_tokens, record.output_tokens)
+        pooling = record.endpoint in POOLING_CLASSES
+        problem = core.check_request(record.input_tokens, record.output_tokens, pooling)
         if problem is not None:
             # The engine answers 400 (e.g. the pool routes more tokens than max_model_len).
             self.fleet.done(replica, record.input_tokens + record.max_tokens)
@@ -267,7 +278,12 @@ class Simulation:
             return
         record.engine_at = now
         core.add_request(
-            record.request_id, record.input_tokens, record.output_tokens, now, record.priority
+            record.request_id,
+            record.input_tokens,
+            record.output_tokens,
+            now,
+            record.priority,
+            pooling=pooling,
         )
         if not replica.busy:
             self._kick(replica, now)
@@ -308,6 +324,8 @@ class Simulation:
             for finished in result.finished:
                 record = by_id[finished.req_id]
                 record.finished_at = finished.finish_time
+                if record.first_token_at is None:  # a pooling request: answered whole
+                    record.first_token_at = finished.finish_time
                 record.preemptions = finished.preemptions
                 self.fleet.done(replica, record.input_tokens + record.max_tokens)
                 if record.lease_id is not None:

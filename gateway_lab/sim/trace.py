@@ -11,10 +11,14 @@ Recognised columns (case-insensitive, CSV header or JSONL keys):
   ``completion_tokens``;
 - tenant (optional): ``tenant``, ``client``, ``client_id``, ``user``;
 - priority (optional): ``priority``, the integer vLLM request priority the engine schedules by
-  under ``scheduling_policy="priority"`` (lower first; absent = 0).
+  under ``scheduling_policy="priority"`` (lower first; absent = 0);
+- endpoint (optional): ``endpoint`` or ``endpoint_class``, the request's endpoint class
+  (extproc.endpoints: chat, completions, embeddings, rerank; absent or empty = chat). A
+  pooling request (embeddings, rerank) has no output: its output column is ignored (it may be
+  empty) and it costs its prompt's prefill only.
 
 Times become seconds from the first request; token counts are clamped to at least 1 (an engine
-needs one prompt token and generates at least one).
+needs one prompt token and generates at least one), except a pooling request's output, 0.
 """
 
 from __future__ import annotations
@@ -26,7 +30,9 @@ from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, cast
+
+from extproc.endpoints import ENDPOINT_CLASSES, POOLING_CLASSES, EndpointClass
 
 TimeUnit = Literal["auto", "s", "ms"]
 
@@ -35,6 +41,7 @@ _INPUT_KEYS = ("contexttokens", "input_length", "input_tokens", "prompt_tokens")
 _OUTPUT_KEYS = ("generatedtokens", "output_length", "output_tokens", "completion_tokens")
 _TENANT_KEYS = ("tenant", "client", "client_id", "user")
 _PRIORITY_KEYS = ("priority",)
+_ENDPOINT_KEYS = ("endpoint", "endpoint_class")
 
 
 class TraceError(ValueError):
@@ -52,6 +59,8 @@ class TraceRequest:
     tenant: str | None = None
     priority: int = 0
     """vLLM's request priority (lower first), used by engines with the "priority" policy."""
+    endpoint: EndpointClass = "chat"
+    """The endpoint class: a pooling one (embeddings, rerank) has output_tokens 0."""
 
     @property
     def total_tokens(self) -> int:
@@ -65,6 +74,7 @@ class _Columns:
     output: str
     tenant: str | None
     priority: str | None
+    endpoint: str | None
     unit: Literal["s", "ms", "datetime"]
 
 
@@ -106,6 +116,7 @@ def _columns(keys: Iterable[str], sample: Mapping[str, Any], unit: TimeUnit, fil
         output_key,
         _find(keys, _TENANT_KEYS),
         _find(keys, _PRIORITY_KEYS),
+        _find(keys, _ENDPOINT_KEYS),
         kind,
     )
 
@@ -162,13 +173,18 @@ def read_trace(path: str | Path, *, time_unit: TimeUnit = "auto") -> list[TraceR
         raise TraceError(f"{path}: cannot read: {exc.strerror}") from None
     if not rows:
         raise TraceError(f"{path}: no requests")
-    columns = _columns(rows[0][1].keys(), rows[0][1], time_unit, str(path))
-    raw: list[tuple[float, int, int, str | None, int]] = []
+    # JSONL records may leave an optional key out (write_trace omits the defaults): every
+    # record's keys count.
+    keys = dict.fromkeys(key for _, row in rows for key in row)
+    columns = _columns(keys, rows[0][1], time_unit, str(path))
+    raw: list[TraceRequest] = []
     for number, row in rows:
+        endpoint = _endpoint(row, columns.endpoint, f"{path}:{number}")
+        pooling = endpoint in POOLING_CLASSES
         try:
             at = _time(row[columns.time], columns.unit)
             input_tokens = int(float(row[columns.input]))
-            output_tokens = int(float(row[columns.output]))
+            output_tokens = 0 if pooling else int(float(row[columns.output]))
             priority_value = None if columns.priority is None else row.get(columns.priority)
             priority = 0 if priority_value in (None, "") else int(priority_value)
         except (KeyError, TypeError, ValueError) as exc:
@@ -177,10 +193,22 @@ def read_trace(path: str | Path, *, time_unit: TimeUnit = "auto") -> list[TraceR
         if columns.tenant is not None:
             value = row.get(columns.tenant)
             tenant = None if value is None or value == "" else str(value)
-        raw.append((at, max(1, input_tokens), max(1, output_tokens), tenant, priority))
-    raw.sort(key=lambda item: item[0])
-    start = raw[0][0]
-    return [TraceRequest(at - start, i, o, t, p) for at, i, o, t, p in raw]
+        output = 0 if pooling else max(1, output_tokens)
+        raw.append(TraceRequest(at, max(1, input_tokens), output, tenant, priority, endpoint))
+    raw.sort(key=lambda request: request.at)
+    start = raw[0].at
+    return [replace(request, at=request.at - start) for request in raw]
+
+
+def _endpoint(row: Mapping[str, Any], column: str | None, where: str) -> EndpointClass:
+    value = None if column is None else row.get(column)
+    if value is None or value == "":
+        return "chat"
+    if value not in ENDPOINT_CLASSES:
+        raise TraceError(
+            f"{where}: unknown endpoint class {value!r}; classes are {', '.join(ENDPOINT_CLASSES)}"
+        )
+    return cast(EndpointClass, value)
 
 
 def shape_trace(
@@ -230,4 +258,6 @@ def write_trace(path: str | Path, requests: Iterable[TraceRequest]) -> None:
                 record["tenant"] = request.tenant
             if request.priority:
                 record["priority"] = request.priority
+            if request.endpoint != "chat":
+                record["endpoint"] = request.endpoint
             handle.write(json.dumps(record) + "\n")
