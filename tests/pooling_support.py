@@ -35,3 +35,22 @@ def rerank_body(query: str, documents: list[str], model: str = "m") -> dict[str,
 
 def score_body(text_1: Any, text_2: Any, model: str = "m") -> dict[str, Any]:
     return {"model": model, "text_1": text_1, "text_2": text_2}
+
+
+def chat_and_pooling_policy_yaml(chat_endpoint: str, embed_endpoint: str) -> str:
+    """Two pools: `short` for chat and completions, `embed` for embeddings and rerank; one
+    engine each (what the real-vLLM tier runs on two cores)."""
+    text = policy_yaml(chat_endpoint, embed_endpoint)
+    start = text.index("  long:\n")
+    end = text.index("\n", text.index("adaptive:", start)) + 1
+    pool = (
+        f"  {EMBED_POOL}:\n"
+        "    max_total_tokens: 2048\n"
+        "    max_inflight: 16\n"
+        "    max_inflight_tokens: 400000\n"
+        f'    endpoints: ["{embed_endpoint}"]\n'
+        "    serves: [embeddings, rerank]\n"
+        "    headroom: 0\n"
+        "    adaptive: {enabled: false}\n"
+    )
+    return text[:start] + pool + text[end:]

@@ -52,6 +52,9 @@ class PoolPreset:
     "priority" so that a request's ``priority`` field orders the engine's waiting queue (under
     "fcfs" vLLM ignores it). ``long_prefill_token_threshold`` caps one request's prompt tokens
     per step (0 = off); docs/calibration.md has the measurement behind each pool's value.
+    ``runner`` / ``convert`` are vLLM's ``--runner`` / ``--convert``: the pooling preset runs
+    the (generative) tiny model as an embedding model, which serves ``/v1/embeddings`` and,
+    scoring by cosine similarity (a bi-encoder), ``/v1/rerank`` and ``/v1/score``.
     """
 
     name: str
@@ -64,6 +67,8 @@ class PoolPreset:
     enforce_eager: bool = True
     scheduling_policy: str = "priority"
     long_prefill_token_threshold: int = 0
+    runner: str | None = None
+    convert: str | None = None
 
 
 # Short pool: many sequences, short context. Long pool: long context, few sequences. Both cap
@@ -89,7 +94,21 @@ LONG_POOL = PoolPreset(
     cpu_bind="1",
     kv_cache_blocks=128,
 )
-POOL_PRESETS: dict[str, PoolPreset] = {p.name: p for p in (SHORT_POOL, LONG_POOL)}
+# Pooling pool: embeddings, rerank and score. vLLM 0.32 runs a decoder as an embedding model
+# with `--runner pooling --convert embed` (last-token pooling); every input is prefilled once
+# and nothing is sampled. A whole input goes into one step (pooling needs its prompt in one
+# piece), so the step budget is the context length.
+POOLING_POOL = PoolPreset(
+    "pooling",
+    max_model_len=2048,
+    max_num_seqs=32,
+    max_num_batched_tokens=2048,
+    cpu_bind="0",
+    kv_cache_blocks=128,
+    runner="pooling",
+    convert="embed",
+)
+POOL_PRESETS: dict[str, PoolPreset] = {p.name: p for p in (SHORT_POOL, LONG_POOL, POOLING_POOL)}
 
 
 class VllmStartError(RuntimeError):
@@ -117,6 +136,8 @@ def vllm_command(
     enforce_eager: bool = False,
     scheduling_policy: str | None = None,
     long_prefill_token_threshold: int | None = None,
+    runner: str | None = None,
+    convert: str | None = None,
     host: str = LOOPBACK,
     python: str | None = None,
     extra_args: Sequence[str] = (),
@@ -159,6 +180,10 @@ def vllm_command(
         command += ["--scheduling-policy", scheduling_policy]
     if long_prefill_token_threshold:
         command += ["--long-prefill-token-threshold", str(long_prefill_token_threshold)]
+    if runner is not None:
+        command += ["--runner", runner]
+    if convert is not None:
+        command += ["--convert", convert]
     return command + list(extra_args)
 
 
@@ -354,6 +379,8 @@ def preset_command(
         enforce_eager=preset.enforce_eager,
         scheduling_policy=preset.scheduling_policy,
         long_prefill_token_threshold=preset.long_prefill_token_threshold,
+        runner=preset.runner,
+        convert=preset.convert,
         host=host,
         python=python,
         extra_args=extra_args,

@@ -3,7 +3,9 @@
 One OpenAI-compatible vLLM server per pool endpoint of a policy, serving the tiny offline model
 (:mod:`gateway_lab.vllm_cpu.model_builder`):
 
-- the pool with the smallest ``max_total_tokens`` gets the short preset (many sequences), every
+- a pool that serves only pooling classes (``serves: [embeddings, rerank]``) gets the pooling
+  preset (vLLM's pooling runner, the model converted to an embedding model); of the others,
+  the pool with the smallest ``max_total_tokens`` gets the short preset (many sequences), every
   other pool the long preset (long context, few sequences);
 - each engine's ``--max-model-len`` is the pool's ``max_total_tokens``, capped at the model's
   16,384 positions (requests above the cap get vLLM's own 400), and its KV cache holds at least
@@ -31,6 +33,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from extproc.endpoints import GENERATIVE_CLASSES
 from extproc.envoy_config import split_host_port
 from extproc.policy import Policy
 from gateway_lab.processes import STOP_MIDDLE, Child, Stack, http_ok
@@ -38,6 +41,7 @@ from gateway_lab.up import engine_endpoints
 from gateway_lab.vllm_cpu.launcher import (
     DEFAULT_SERVED_MODEL_NAME,
     LONG_POOL,
+    POOLING_POOL,
     SHORT_POOL,
     PoolPreset,
     VllmStartError,
@@ -166,6 +170,11 @@ def _usable_cores() -> list[int]:
     return cores or [0]
 
 
+def is_pooling_pool(serves: Sequence[str]) -> bool:
+    """A pool whose engines run a pooling model: it serves no generative class."""
+    return not set(serves) & GENERATIVE_CLASSES
+
+
 def engine_specs(policy: Policy, cores: Sequence[int] | None = None) -> list[EngineSpec]:
     """One :class:`EngineSpec` per pool endpoint, in the policy's order.
 
@@ -177,18 +186,24 @@ def engine_specs(policy: Policy, cores: Sequence[int] | None = None) -> list[Eng
     endpoint.
     """
     usable = list(cores) if cores else _usable_cores()
-    smallest = min(policy.pools, key=lambda name: policy.pools[name].max_total_tokens)
+    pooling = {name for name, pool in policy.pools.items() if is_pooling_pool(pool.serves)}
+    generative = [name for name in policy.pools if name not in pooling] or list(policy.pools)
+    smallest = min(generative, key=lambda name: policy.pools[name].max_total_tokens)
     specs = []
     for index, (pool, endpoint) in enumerate(engine_endpoints(policy)):
         host, port = split_host_port(endpoint)
-        base = SHORT_POOL if pool == smallest else LONG_POOL
+        shape = SHORT_POOL if pool == smallest else LONG_POOL
+        base = POOLING_POOL if pool in pooling else shape
         max_model_len = min(policy.pools[pool].max_total_tokens, MODEL_MAX_LEN)
         # vLLM keeps one block aside (the null block): one more than the longest request.
         blocks = max(base.kv_cache_blocks or 0, math.ceil(max_model_len / KV_BLOCK_TOKENS) + 1)
+        # A pooling engine takes a whole input into one step.
+        batched = max(base.max_num_batched_tokens, max_model_len if base.runner else 0)
         preset = dataclasses.replace(
             base,
             name=pool,
             max_model_len=max_model_len,
+            max_num_batched_tokens=batched,
             kv_cache_blocks=blocks,
             cpu_bind=str(usable[index % len(usable)]),
         )
