@@ -22,7 +22,7 @@ from envoy.service.ext_proc.v3.external_processor_pb2 import (
 )
 
 from extproc.admission import Grant
-from extproc.endpoints import GENERATIVE_CLASSES, EndpointClass
+from extproc.endpoints import GENERATIVE_CLASSES, POOLING_CLASSES, EndpointClass
 from extproc.errors import (
     GatewayError,
     bad_request,
@@ -239,13 +239,21 @@ class AdmissionProcessor:
         synchronous filter. The client receives that one extra chunk; it is part of the
         OpenAI streaming format and OpenAI SDKs accept it. Counting deltas instead would miss
         the prompt tokens and merged or withheld tokens. A pooling request is never streamed
-        (its parse says so): its JSON response carries usage, and its body goes unchanged.
+        (its parse says so): its JSON response carries usage; its body changes only to carry
+        the pool's `pooling_priority`, the engine priority that puts a batch behind chat.
         """
         values, removed = self._upstream_headers()
-        if not request.stream or request.include_usage:
+        if request.endpoint in POOLING_CLASSES:
+            assert self.state.pool is not None
+            priority = self.policy.pools[self.state.pool].pooling_priority
+            if priority is None or request.body.get("priority") == priority:
+                return responses.continue_request_body(values, removed, clear_route_cache=True)
+            request.body["priority"] = priority
+        elif not request.stream or request.include_usage:
             return responses.continue_request_body(values, removed, clear_route_cache=True)
-        options = request.body.get("stream_options") or {}
-        request.body["stream_options"] = {**options, "include_usage": True}
+        else:
+            options = request.body.get("stream_options") or {}
+            request.body["stream_options"] = {**options, "include_usage": True}
         body = orjson.dumps(request.body)
         # Envoy answers 500 if a body mutation leaves a stale content-length.
         values.append(("content-length", str(len(body))))

@@ -192,3 +192,31 @@ async def test_a_bad_embeddings_body_gets_the_openai_400(
     error = orjson.loads(reply.immediate_response.body)["error"]
     assert error["type"] == "invalid_request_error" and "input" in error["message"]
     await peer.close()
+
+
+async def test_a_pools_pooling_priority_is_written_into_the_forwarded_body() -> None:
+    """So an engine scheduling by priority serves chat (priority 0) before a batch's inputs."""
+    text = pooling_policy_yaml().replace(
+        "serves: [embeddings, rerank]", "serves: [embeddings, rerank]\n    pooling_priority: 5"
+    )
+    gateway = compose(policy_from_text(text))
+    async with served_stub(gateway) as stub:
+        for body in (embeddings_body(["a", "b"]), {**rerank_body("q", ["d"]), "priority": -9}):
+            peer = EnvoyPeer(stub)
+            await peer.send(headers_message("POST", "/v1/rerank" if "query" in body else
+                                            "/v1/embeddings", TEST_KEYS["globex"]))  # fmt: skip
+            reply = await peer.send(body_message(orjson.dumps(body)))
+            mutation = reply.request_body.response.body_mutation
+            forwarded = orjson.loads(mutation.body)
+            assert forwarded == {**body, "priority": 5}  # the client's own is replaced
+            headers = set_headers(reply, "request_body")
+            assert headers["content-length"] == str(len(mutation.body))
+            await peer.close()
+        # Chat is never touched.
+        peer = EnvoyPeer(stub)
+        await peer.send(headers_message("POST", "/v1/chat/completions", TEST_KEYS["globex"]))
+        chat = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+        reply = await peer.send(body_message(orjson.dumps(chat)))
+        assert not reply.request_body.response.HasField("body_mutation")
+        await peer.close()
+    await gateway.close()

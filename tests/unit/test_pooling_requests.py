@@ -199,6 +199,18 @@ def _line(text: str, needle: str) -> int:
     return next(i for i, line in enumerate(text.splitlines(), 1) if needle in line)
 
 
+def test_pooling_priority_is_an_integer() -> None:
+    text = pooling_policy_yaml().replace(
+        "serves: [embeddings, rerank]", "serves: [embeddings, rerank]\n    pooling_priority: high"
+    )
+    [issue] = _issues(text)
+    assert issue.startswith(
+        f"p.yaml:{_line(text, 'pooling_priority')}: pools.embed.pooling_priority:"
+    )
+    assert "integer" in issue
+    assert policy_from_text(pooling_policy_yaml()).pools[EMBED_POOL].pooling_priority is None
+
+
 @pytest.mark.parametrize(
     ("serves", "field", "message"),
     [
