@@ -26,6 +26,10 @@ BENCH_SCENARIOS = {
     ),
     "token-fairness": ("fairness", "request-count vs token (DRR, VTC) fairness: Jain, service gap"),
     "tiers": ("tiers", "premium vs standard tenants over capacity: TTFT, weighted shares, waits"),
+    "embedding-flood": (
+        "embedding_flood",
+        "2,000-input embedding batches beside chat on one pool: chat TTFT, token shares",
+    ),
     "scaleout": ("scaleout", "admissions/s and latency with 1, 2, 4 processes, memory vs Redis"),
     "scheduler-scaling": ("sched_scaling", "scheduler CPU per admission vs queue depth"),
 }
