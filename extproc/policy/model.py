@@ -68,6 +68,11 @@ class Limits(BucketLimits):
     max_queue_wait: Duration = 30.0
     per_endpoint: dict[EndpointClass, BucketLimits] = Field(default_factory=dict)
 
+    @property
+    def class_concurrency(self) -> bool:
+        """Some class block sets a max_concurrency (then a queue's head can be held back)."""
+        return any(block.max_concurrency is not None for block in self.per_endpoint.values())
+
 
 class Tenant(StrictModel):
     tier: str

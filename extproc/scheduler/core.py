@@ -262,7 +262,7 @@ class Scheduler:
         expires_at = now + spec.limits.max_queue_wait
         entry = QueueEntry(ticket, seq, key, now, expires_at, headers, charged)
         state = live.enqueue(entry)
-        if ticket.pool not in state.bands or spec.limits.per_endpoint:
+        if ticket.pool not in state.bands or spec.limits.class_concurrency:
             # a band member stays one when its queue grows, unless a class limit of a new
             # head may now hold it back
             live.sync(state, ticket.pool)

@@ -107,7 +107,10 @@ class Live:
             and not pool.retired
             and spec is not None
             and below_concurrency(state, spec)
-            and (not spec.limits.per_endpoint or head_below_class_concurrency(state, spec, queue))
+            and (
+                not spec.limits.class_concurrency
+                or head_below_class_concurrency(state, spec, queue)
+            )
             and (pool_name, state.name) not in self.parked
         ):
             want = pool.bands[self.rank(spec)]
