@@ -2,9 +2,8 @@
 
 Layers, in order (ARCHITECTURE.md, "Admission order"):
 
-a. rate limits at submit (a bucket per limit dimension: requests/min, tokens/min, tenant-wide
-   and per endpoint class; max_queued); max_concurrency (tenant-wide and per class) holds
-   requests in the queue;
+a. rate limits at submit (buckets: requests/min, tokens/min, the tenant's and its endpoint
+   class's; max_queued); max_concurrency (tenant-wide and per class) holds requests queued;
 b. strict tier priority per pool;
 c. token-weighted fair share between the tenants of a tier (a registered policy: DRR, VTC),
    per pool;
@@ -263,8 +262,7 @@ class Scheduler:
         entry = QueueEntry(ticket, seq, key, now, expires_at, headers, charged)
         state = live.enqueue(entry)
         if ticket.pool not in state.bands or spec.limits.class_concurrency:
-            # a band member stays one when its queue grows, unless a class limit of a new
-            # head may now hold it back
+            # a member stays one as its queue grows, unless a new head's class is at its limit
             live.sync(state, ticket.pool)
         return None
 
@@ -415,13 +413,8 @@ class Scheduler:
         endpoint: EndpointClass = "chat",
     ) -> None:
         """A settled request's count turned out different (extproc.service.reconcile): move
-        the token buckets of the tenant and of the request's class, and the fair-share
-        counter, by the difference."""
-        fairness = self._live.policy.source.fairness
-        cost = fairness.input_weight * input_delta + fairness.output_weight * output_delta
-        now = self.clock.now()
-        delta = input_delta + output_delta
-        self._leases.charge_difference(tenant, pool, endpoint, delta, cost, now)
+        the token buckets (the tenant's, its class's) and fair share by the difference."""
+        self._leases.correct(tenant, pool, endpoint, input_delta, output_delta, self.clock.now())
 
     def pool_inflight(self, pool: str) -> int:
         """Requests admitted to the pool and not yet released."""

@@ -109,6 +109,14 @@ class Leases:
             now,
         )
 
+    def correct(
+        self, tenant: str, pool: str, endpoint: EndpointClass, d_in: int, d_out: int, now: float
+    ) -> None:
+        """A later correction of a settled request's input and output tokens."""
+        fairness = self._live.policy.source.fairness
+        cost = fairness.input_weight * d_in + fairness.output_weight * d_out
+        self.charge_difference(tenant, pool, endpoint, d_in + d_out, cost, now)
+
     def charge_difference(
         self,
         tenant: str,

@@ -113,6 +113,14 @@ def _scopes(limits: Limits) -> list[tuple[EndpointClass | None, BucketLimits]]:
     return scopes
 
 
+def _applying(
+    limits: Limits, endpoint: EndpointClass
+) -> list[tuple[EndpointClass | None, BucketLimits]]:
+    """The scopes a request of the class takes from: tenant-wide, then its class's block."""
+    block = limits.per_endpoint.get(endpoint)
+    return [(None, limits)] if block is None else [(None, limits), (endpoint, block)]
+
+
 def bucket_for_key(key: str, spec: Tenant) -> Bucket | None:
     """The bucket a key `<tenant>:<bucket name>` names under the tenant's current limits (None:
     no such bucket, or the policy no longer limits it); for stores that settle by key."""
@@ -121,21 +129,16 @@ def bucket_for_key(key: str, spec: Tenant) -> Bucket | None:
     dimension = next((d for d in DIMENSIONS if d.name == dimension_name), None)
     if dimension is None:
         return None
-    if not endpoint:
-        return bucket_of(tenant, dimension, spec.limits)
     for scope, limits in _scopes(spec.limits):
-        if scope == endpoint:
+        if (scope or "") == endpoint:
             return bucket_of(tenant, dimension, limits, scope)
     return None
 
 
 def settled_buckets(tenant: str, endpoint: EndpointClass, spec: Tenant) -> list[Bucket]:
     """The buckets a request of the class settles on real usage at release, in order."""
-    limits = spec.limits
     out = []
-    for scope, block in ((None, limits), (endpoint, limits.per_endpoint.get(endpoint))):
-        if block is None:
-            continue
+    for scope, block in _applying(spec.limits, endpoint):
         for dimension in DIMENSIONS:
             if dimension.settles_on_usage:
                 bucket = bucket_of(tenant, dimension, block, scope)
@@ -153,12 +156,7 @@ def setting_name(endpoint: EndpointClass | None, field: str) -> str:
 def capacity_exceeded(ticket: Ticket, limits: Limits) -> tuple[str, int] | None:
     """(setting, capacity) of a bucket the ticket's cost exceeds: it can never pass, whatever
     the wait. None when every bucket that applies can hold it. Cheap: no buckets are built."""
-    for endpoint, block in (
-        (None, limits),
-        (ticket.endpoint, limits.per_endpoint.get(ticket.endpoint)),
-    ):
-        if block is None:
-            continue
+    for endpoint, block in _applying(limits, ticket.endpoint):
         for dimension in DIMENSIONS:
             limit = getattr(block, dimension.policy_field)
             if limit is None:
