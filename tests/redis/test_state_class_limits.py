@@ -14,7 +14,7 @@ from envoy.service.ext_proc.v3.external_processor_pb2_grpc import ExternalProces
 from extproc.policy import policy_from_text
 from extproc.scheduler.limits import Bucket, Take
 from extproc.service.composition import compose
-from extproc.state import ops
+from extproc.state import local_share, ops
 from extproc.state.backend import RedisBackend
 from tests.conftest import policy_yaml
 from tests.grpc.test_class_limits import answer, ask, chat_body, completion_body
@@ -117,3 +117,16 @@ async def test_two_processes_share_a_class_bucket(
         peers.append(chat)
     for peer in peers:
         await peer.close()
+
+
+def test_the_local_fallback_shares_bursts_and_class_limits_too() -> None:
+    limits = (
+        "{requests_per_minute: 25, requests_burst: 9, per_endpoint: {completions: "
+        "{tokens_per_minute: 1000, tokens_burst: 301, max_concurrency: 3}}}"
+    )
+    policy = policy_from_text(policy_yaml(acme_limits=limits))
+    shared = local_share(policy, 4).tenants["acme"].limits
+    assert (shared.requests_per_minute, shared.requests_burst) == (7, 3)
+    block = shared.per_endpoint["completions"]
+    assert (block.tokens_per_minute, block.tokens_burst, block.max_concurrency) == (250, 76, 1)
+    assert local_share(policy, 1) is policy
