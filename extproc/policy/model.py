@@ -43,14 +43,35 @@ class StrictModel(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
 
 
-class Limits(StrictModel):
-    """Per-tenant admission limits. An absent limit is not enforced."""
+class BucketLimits(StrictModel):
+    """One set of rate limits: a tenant's own (shared by all its endpoint classes) or one
+    endpoint class's. An absent limit is not enforced.
+
+    Each per-minute limit is a token bucket that refills at that rate and holds at most its
+    burst (omitted: a whole minute's worth, so a fresh bucket lets a minute's limit through
+    at once). A burst needs its rate and cannot exceed it (`loader.semantic_issues`)."""
 
     requests_per_minute: PositiveInt | None = None
+    requests_burst: PositiveInt | None = None
     tokens_per_minute: PositiveInt | None = None
+    tokens_burst: PositiveInt | None = None
+    """Also the largest request (prompt + max_tokens) that can ever pass."""
     max_concurrency: PositiveInt | None = None
+
+
+class Limits(BucketLimits):
+    """Per-tenant admission limits. The tenant-wide ones (this level) apply to every request
+    of the tenant; a `per_endpoint` block adds buckets and a concurrency limit that only the
+    requests of its class take from: a request passes when both hold."""
+
     max_queued: NonNegativeInt = 256
     max_queue_wait: Duration = 30.0
+    per_endpoint: dict[EndpointClass, BucketLimits] = Field(default_factory=dict)
+
+    @property
+    def class_concurrency(self) -> bool:
+        """Some class block sets a max_concurrency (then a queue's head can be held back)."""
+        return any(block.max_concurrency is not None for block in self.per_endpoint.values())
 
 
 class Tenant(StrictModel):

@@ -2,8 +2,8 @@
 
 Layers, in order (ARCHITECTURE.md, "Admission order"):
 
-a. rate limits at submit (a bucket per limit dimension: requests/min, tokens/min; max_queued);
-   max_concurrency holds requests in the queue;
+a. rate limits at submit (buckets: requests/min, tokens/min, the tenant's and its endpoint
+   class's; max_queued); max_concurrency (tenant-wide and per class) holds requests queued;
 b. strict tier priority per pool;
 c. token-weighted fair share between the tenants of a tier (a registered policy: DRR, VTC),
    per pool;
@@ -84,6 +84,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from extproc.endpoints import EndpointClass
 from extproc.policy.model import Pool
 from extproc.policy.runtime import Policy
 from extproc.scheduler import estimates, retry_after
@@ -195,14 +196,14 @@ class Scheduler:
         rank = live.rank(spec)
         queue = state.queue(ticket.pool)
         if state.queued >= spec.limits.max_queued and not dispatchable_now(
-            state, spec, pool, rank, budget
+            state, spec, pool, rank, ticket
         ):
             retry = estimates.queue_full_retry_after(state, now)
             message = (
                 f"tenant {ticket.tenant!r} already has {state.queued} requests queued "
                 f"(max_queued {spec.limits.max_queued}); retry after {retry}s"
             )
-            peeked = live.limiter.peek_headers(ticket.tenant, spec, now)
+            peeked = live.limiter.peek_headers(ticket.tenant, ticket.endpoint, spec, now)
             return reject(ticket, Outcome.REJECTED_QUEUE_FULL, 429, retry, message, peeked)
 
         if ticket.deadline is not None:
@@ -244,7 +245,7 @@ class Scheduler:
         spec = live.policy.source.tenants[ticket.tenant]
         self._seq = seq = self._seq + 1
         limiter = live.limiter
-        buckets = limiter.buckets(ticket.tenant, spec)
+        buckets = limiter.buckets(ticket.tenant, ticket.endpoint, spec)
         headers: dict[str, str] = {}
         charged: dict[str, float] = {}
         if buckets:
@@ -255,13 +256,13 @@ class Scheduler:
             headers = headers_for(zip(buckets, result.levels, strict=True))
             if not result.ok:
                 return rate_limited(ticket, charges, result.levels, result.wait_s, headers)
-            charged = {item.dimension.name: cost for item, cost in charges}
+            charged = {item.name: cost for item, cost in charges}
         key = self._order_key(ticket, now, seq)
         expires_at = now + spec.limits.max_queue_wait
         entry = QueueEntry(ticket, seq, key, now, expires_at, headers, charged)
         state = live.enqueue(entry)
-        if ticket.pool not in state.bands:
-            # a band member stays one when its queue grows: nothing else to bring in step
+        if ticket.pool not in state.bands or spec.limits.class_concurrency:
+            # a member stays one as its queue grows, unless a new head's class is at its limit
             live.sync(state, ticket.pool)
         return None
 
@@ -403,13 +404,17 @@ class Scheduler:
         self._leases.free(held)
         return True
 
-    def correct_usage(self, tenant: str, pool: str, input_delta: int, output_delta: int) -> None:
+    def correct_usage(
+        self,
+        tenant: str,
+        pool: str,
+        input_delta: int,
+        output_delta: int,
+        endpoint: EndpointClass = "chat",
+    ) -> None:
         """A settled request's count turned out different (extproc.service.reconcile): move
-        the tenant's token bucket and fair-share counter by the difference."""
-        fairness = self._live.policy.source.fairness
-        cost = fairness.input_weight * input_delta + fairness.output_weight * output_delta
-        now = self.clock.now()
-        self._leases.charge_difference(tenant, pool, input_delta + output_delta, cost, now)
+        the token buckets (the tenant's, its class's) and fair share by the difference."""
+        self._leases.correct(tenant, pool, endpoint, input_delta, output_delta, self.clock.now())
 
     def pool_inflight(self, pool: str) -> int:
         """Requests admitted to the pool and not yet released."""

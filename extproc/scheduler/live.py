@@ -5,12 +5,13 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from extproc.endpoints import EndpointClass
 from extproc.policy.model import Pool, Tenant
 from extproc.policy.runtime import Policy
 from extproc.scheduler.capacity import Capacity
 from extproc.scheduler.limits import LimitStore
 from extproc.scheduler.pools import Band, PoolState, new_bands
-from extproc.scheduler.queues import TenantState, Timers
+from extproc.scheduler.queues import TenantQueue, TenantState, Timers
 from extproc.scheduler.ratelimit import RateLimiter
 from extproc.scheduler.rates import DecayingRate
 from extproc.scheduler.records import LeaseState, QueueEntry
@@ -100,11 +101,16 @@ class Live:
         want: Band | None = None
         spec = self.policy.tenant(state.name)
         if (
-            live
+            queue is not None
+            and live
             and pool is not None
             and not pool.retired
             and spec is not None
             and below_concurrency(state, spec)
+            and (
+                not spec.limits.class_concurrency
+                or head_below_class_concurrency(state, spec, queue)
+            )
             and (pool_name, state.name) not in self.parked
         ):
             want = pool.bands[self.rank(spec)]
@@ -188,3 +194,17 @@ class Live:
 def below_concurrency(state: TenantState, spec: Tenant) -> bool:
     limit = spec.limits.max_concurrency
     return limit is None or state.inflight < limit
+
+
+def below_class_concurrency(state: TenantState, spec: Tenant, endpoint: EndpointClass) -> bool:
+    """Below the max_concurrency of the class's `per_endpoint` block (if it sets one)."""
+    block = spec.limits.per_endpoint.get(endpoint)
+    limit = None if block is None else block.max_concurrency
+    return limit is None or state.inflight_by_class.get(endpoint, 0) < limit
+
+
+def head_below_class_concurrency(state: TenantState, spec: Tenant, queue: TenantQueue) -> bool:
+    """The head of the tenant's queue is of a class below its concurrency limit. Tenant order
+    is never broken, so a head of a class at its limit holds the tenant back in that pool (the
+    way the tenant's own max_concurrency does in every pool)."""
+    return below_class_concurrency(state, spec, queue.head().ticket.endpoint)

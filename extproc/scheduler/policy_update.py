@@ -14,6 +14,10 @@ from extproc.types import Outcome
 def apply_policy(live: Live, policy: Policy, now: float) -> list[Rejection]:
     """Changing the tier list or the fairness settings restarts fair-share state."""
     old = live.policy
+    for name, changed in policy.tenants.items():
+        previous = old.tenant(name)
+        if previous is not None:
+            live.limiter.rebase(name, previous, changed, now)
     live.policy = policy
     out: list[Rejection] = []
     for name, pool_spec in policy.pools.items():

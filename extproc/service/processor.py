@@ -44,6 +44,7 @@ from extproc.openai_request import (
 from extproc.policy.hold import hold_needed
 from extproc.routing import choose_pool
 from extproc.scheduler import Ticket
+from extproc.scheduler.ratelimit import capacity_exceeded
 from extproc.service import responses
 from extproc.service.ports import AdmissionPort
 from extproc.service.request import Request
@@ -199,10 +200,10 @@ class AdmissionProcessor:
             longest = request.longest_input
             sequence = state.budget if longest is None else self.port.estimate_prompt(longest)
             state.pool = choose_pool(self.policy, sequence, request.endpoint)
-            tokens_per_minute = self.policy.tenants[state.tenant].limits.tokens_per_minute
-            if tokens_per_minute is not None and state.budget > tokens_per_minute:
-                raise never_fits_rate_limit(state.tenant, state.budget, tokens_per_minute)
             ticket = self._ticket(request.endpoint, max_output)
+            exceeded = capacity_exceeded(ticket, self.policy.tenants[state.tenant].limits)
+            if exceeded is not None:
+                raise never_fits_rate_limit(state.tenant, state.budget, *exceeded)
         except GatewayError as error:
             yield self._reject(error)
             return
