@@ -360,7 +360,7 @@ def plot(results: dict[str, dict[str, Any]], summary: dict[str, Any], path: Path
     ax.bar([x + 0.2 for x in xs], [summary[n]["chat_p99_ms"] for n in names], 0.4,
            label="P99", color="#1f77b4")  # fmt: skip
     ax.set_yscale("log")
-    ax.set_xticks(list(xs), names)
+    ax.set_xticks(list(xs), names, rotation=20, fontsize=8)
     ax.set_title("chat tenant: time to first token (ms)")
     ax.legend(fontsize=8)
     ax = axes[1]
@@ -368,7 +368,7 @@ def plot(results: dict[str, dict[str, Any]], summary: dict[str, Any], path: Path
     for i, tenant in enumerate((CHAT, BATCH)):
         values = [results[n]["tenants"][tenant]["service_per_s"] for n in flooded]
         ax.bar([x + (i - 0.5) * 0.4 for x in range(len(flooded))], values, 0.4, label=tenant)
-    ax.set_xticks(range(len(flooded)), flooded)
+    ax.set_xticks(range(len(flooded)), flooded, rotation=20, fontsize=8)
     ax.set_title("weighted token service / s")
     ax.legend(fontsize=8)
     save_figure(fig, path)
