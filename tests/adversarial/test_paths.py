@@ -36,7 +36,7 @@ SAME_AS_CHAT = [
 ENCODED_SLASHES = ["/v1%2Fchat%2Fcompletions", "/v1/chat%2fcompletions", "/v1%5Cchat/completions"]
 NOT_SERVED = [
     "/metrics", "/health", "/tokenize", "/detokenize", "/version", "/ping", "/load", "/",
-    "/v1", "/v1/embeddings", "/v1/rerank", "/v1/score", "/v1/chat", "/V1/chat/completions",
+    "/v1", "/rerank", "/v2/rerank", "/score", "/v1/embeddings/", "/v1/chat", "/V1/chat/completions",
     "/v1/chat/completions/", "/v1/chat/completionsX", "/v1/models/../../metrics",
     "/v1/chat/completions/../../../metrics", "/%6detrics", "/v1/audio/transcriptions",
 ]  # fmt: skip

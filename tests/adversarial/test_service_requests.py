@@ -95,7 +95,9 @@ def test_encoded_slashes_are_refused(raw: str) -> None:
         "/metrics",
         "/health",
         "/tokenize",
-        "/v1/embeddings",
+        "/v1/embeddings/",
+        "/v2/rerank",  # vLLM's other spellings of rerank and score: not the gateway's
+        "/score",
         "/v1/chat/completions/../../metrics",
         "/V1/chat/completions",
         "/v1/chat/completions/",
