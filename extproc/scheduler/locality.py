@@ -114,12 +114,12 @@ class PoolLocality:
         return max(cache.match(blocks) for cache in self.caches)
 
     def choose(self, blocks: Sequence[int], load_slack: int) -> tuple[int, int]:
-        """(replica, its matched blocks): the longest match (ties: fewer in flight, then the
-        first), unless it has `load_slack` or more requests in flight above the least-loaded
-        replica: then the least-loaded."""
-        inflight = self.inflight
+        """(replica, its matched blocks): the longest match (ties: fewer in flight, then fewer
+        routed so far, then the first), unless it has `load_slack` or more requests in flight
+        above the least-loaded replica: then the least-loaded."""
+        inflight, routed = self.inflight, self.routed
         matches = [cache.match(blocks) for cache in self.caches]
-        best = min(range(len(matches)), key=lambda r: (-matches[r], inflight[r], r))
+        best = min(range(len(matches)), key=lambda r: (-matches[r], inflight[r], routed[r], r))
         least = min(range(len(inflight)), key=lambda r: (inflight[r], -matches[r], r))
         if inflight[best] >= inflight[least] + load_slack:
             best = least
