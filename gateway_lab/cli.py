@@ -28,6 +28,10 @@ BENCH_SCENARIOS = {
     "tiers": ("tiers", "premium vs standard tenants over capacity: TTFT, weighted shares, waits"),
     "scaleout": ("scaleout", "admissions/s and latency with 1, 2, 4 processes, memory vs Redis"),
     "scheduler-scaling": ("sched_scaling", "scheduler CPU per admission vs queue depth"),
+    "locality": (
+        "locality",
+        "shared-prefix traffic on two replicas: VTC, DRR, DLPM (throughput, hits, gap, quiet TTFT)",
+    ),
 }
 
 
