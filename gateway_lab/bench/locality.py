@@ -39,11 +39,10 @@ import orjson
 from extproc.policy import hash_key
 from extproc.service.engine_metrics import parse_engine_metrics
 from gateway_lab.bench import scenario
-from gateway_lab.bench.fairness import cumulative
 from gateway_lab.bench.loadgen import Load, open_loop
 from gateway_lab.bench.locality_report import plot, summarize_arms, table
 from gateway_lab.bench.monitor import log
-from gateway_lab.bench.records import Meter, Record, Spec, prompt_text
+from gateway_lab.bench.records import RECORD_COLUMNS, Meter, Record, Spec, prompt_text
 from gateway_lab.bench.stack import PROFILE, engine_set
 from gateway_lab.bench.stats import status_counts, ttft_stats
 from gateway_lab.engine.tokens import MESSAGE_OVERHEAD_TOKENS
@@ -73,7 +72,7 @@ class Workload:
     docs_question: int = 40
     quiet_rate: float = 1.0
     quiet_prompt: int = 400
-    output: int = 16
+    output: int = 8
     max_inflight: int = 16
     quantum: int = 64
 
@@ -223,19 +222,67 @@ def gateway_locality(admin_url: str | None) -> Any:
         return orjson.loads(response.read()).get("locality")
 
 
-def dispatch_curve(records: Sequence[Record], tenant: str, start: float, end: float, bin_s: float
-                   ) -> list[float]:  # fmt: skip
-    """Cumulative dispatched cost of the tenant's admitted requests (at start + queue wait)."""
-    bins: dict[int, float] = {}
-    for r in records:
-        if r.tenant != tenant or r.queue_ms is None or r.status != 200:
-            continue
-        at = r.start + r.queue_ms / 1000.0
-        index = int(at // bin_s)
-        bins[index] = (
-            bins.get(index, 0.0) + INPUT_WEIGHT * r.prompt_tokens + OUTPUT_WEIGHT * (r.max_tokens)
-        )
-    return cumulative(bins, int(start // bin_s), int(end // bin_s))
+def _cost(record: Record) -> float:
+    return INPUT_WEIGHT * record.prompt_tokens + OUTPUT_WEIGHT * record.max_tokens
+
+
+def _merged(spans: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    out: list[tuple[float, float]] = []
+    for low, high in sorted(spans):
+        if out and low <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], high))
+        else:
+            out.append((low, high))
+    return out
+
+
+def _both(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    out, i, j = [], 0, 0
+    while i < len(a) and j < len(b):
+        low, high = max(a[i][0], b[j][0]), min(a[i][1], b[j][1])
+        if low < high:
+            out.append((low, high))
+        if a[i][1] < b[j][1]:
+            i += 1
+        else:
+            j += 1
+    return out
+
+
+def backlogged_gap(
+    records: Sequence[Record], pair: tuple[str, str], start: float, end: float
+) -> dict[str, float]:
+    """The largest |S_a(t1, t2) - S_b(t1, t2)| of dispatched cost (at start + the gateway's
+    queue wait) over intervals in [start, end) where both tenants had a request waiting at
+    the gateway throughout (the bound's condition), and over any interval (for reference)."""
+    admitted = [
+        (r.start + r.queue_ms / 1000.0, r)
+        for r in records
+        if r.tenant in pair and r.queue_ms is not None and r.status == 200
+    ]
+    waiting = {t: _merged([(r.start, at) for at, r in admitted if r.tenant == t]) for t in pair}
+    segments = [
+        (max(low, start), min(high, end))
+        for low, high in _both(waiting[pair[0]], waiting[pair[1]])
+        if high > start and low < end
+    ]
+    events = sorted((at, r.tenant, _cost(r)) for at, r in admitted if start <= at < end)
+
+    def gap(chosen: list[tuple[float, str, float]]) -> float:
+        level, low, high = 0.0, 0.0, 0.0
+        for _at, tenant, cost in chosen:
+            level += cost if tenant == pair[0] else -cost
+            low, high = min(low, level), max(high, level)
+        return high - low
+
+    within = [gap([e for e in events if low <= e[0] <= high]) for low, high in segments]
+    joint = sum(high - low for low, high in segments)
+    return {
+        "max_gap": max(within, default=0.0),
+        "max_gap_any_interval": gap(events),
+        "both_backlogged_s": joint,
+        "segments": float(len(segments)),
+    }
 
 
 def measure(
@@ -244,8 +291,12 @@ def measure(
     start, end = timing.warmup_s, timing.warmup_s + timing.measure_s
     done = [r for r in load.records if r.complete and r.status == 200 and start <= r.end < end]
     per_tenant = {t: [r for r in done if r.tenant == t] for t in KEYS}
-    curves = {t: dispatch_curve(load.records, t, start, end, timing.bin_s) for t in BACKLOGGED}
-    diff = [0.0, *(a - b for a, b in zip(curves["chat"], curves["docs"], strict=True))]
+    gaps = backlogged_gap(load.records, BACKLOGGED, start, end)
+    service = {
+        t: sum(_cost(r) for r in load.records if r.tenant == t and r.queue_ms is not None
+               and r.status == 200 and start <= r.start + r.queue_ms / 1000.0 < end)
+        for t in BACKLOGGED
+    }  # fmt: skip
     largest_prompt = work.chat_system + work.turns * (
         work.chat_turn + work.output + 2 * MESSAGE_OVERHEAD_TOKENS
     )
@@ -262,8 +313,8 @@ def measure(
         "prompt_tokens_per_s": sum(r.prompt_tokens for r in done) / timing.measure_s,
         "output_tokens_per_s": sum(r.output_tokens for r in done) / timing.measure_s,
         "completed": {t: len(rs) for t, rs in per_tenant.items()},
-        "service_per_s": {t: (c[-1] if c else 0.0) / timing.measure_s for t, c in curves.items()},
-        "max_gap": max(diff) - min(diff),
+        "service_per_s": {t: value / timing.measure_s for t, value in service.items()},
+        **gaps,
         "bound": bound,
         "largest_request_cost": largest,
         "engine_prefix_query_tokens": queries,
@@ -272,6 +323,8 @@ def measure(
         "quiet_ttft": ttft_stats(quiet),
         "statuses": status_counts(load.records),
         "gateway_locality": counters.get("gateway"),
+        "record_columns": RECORD_COLUMNS,
+        "records": [r.as_row() for r in load.records],
     }
 
 
