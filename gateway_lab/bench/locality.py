@@ -15,8 +15,9 @@ locality index orders the queue and picks the replica: D²LPM). Fresh engines pe
 arm inherits another's cache. Reported per arm: completed requests/s and tokens/s, the prefix
 hit rate from the engines' own counters (vllm:prefix_cache_hits_total / queries_total), each
 tenant's dispatched service (1 x prompt + 2 x max_tokens at admission), the largest service gap
-between the two backlogged tenants over any interval against the DLPM bound 2Q + 2U, and the
-quiet tenant's TTFT. Ratios are against the vtc arm of the same run.
+between the two backlogged tenants over intervals where both stay backlogged, from the
+gateway's own accounting (`/v1/tenants` sampled every 0.1 s), against the DLPM bound 2Q + 2U,
+and the quiet tenant's TTFT. Ratios are against the vtc arm of the same run.
 
 `extproc bench locality [--out results/locality] [--quick]`
 """
@@ -25,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import math
 import random
 import time
@@ -34,6 +36,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import orjson
 
 from extproc.policy import hash_key
@@ -175,20 +178,22 @@ def quiet_maker(work: Workload, seed: int) -> Any:
 
 
 async def drive_arm(
-    arm: str, url: str, work: Workload, timing: Timing, seed: int
-) -> tuple[Load, float]:
+    arm: str, url: str, admin_url: str, work: Workload, timing: Timing, seed: int
+) -> tuple[Load, list[Sample]]:
     meter = Meter(timing.bin_s, INPUT_WEIGHT, OUTPUT_WEIGHT)
     end = timing.warmup_s + timing.measure_s
     rng = random.Random(seed)
     systems = [prompt_text(work.docs_system, rng) for _ in range(work.docs_prompts)]
     async with Load(url, meter) as load:
+        sampler = asyncio.ensure_future(sample_gateway(load, admin_url, end, work.output))
         jobs = [
             *(conversations(load, work, c, end, seed) for c in range(work.chat_clients)),
             *(documents(load, work, c, end, systems, seed) for c in range(work.docs_clients)),
             open_loop(load, quiet_maker(work, seed + 7), work.quiet_rate, end, seed=seed + 8),
         ]
         await scenario.drive(NAME, arm, load, [_until(jobs, load, end)], end)
-    return load, end
+        samples = await sampler
+    return load, samples
 
 
 async def _until(jobs: Sequence[Any], load: Load, end: float) -> None:
@@ -226,62 +231,70 @@ def _cost(record: Record) -> float:
     return INPUT_WEIGHT * record.prompt_tokens + OUTPUT_WEIGHT * record.max_tokens
 
 
-def _merged(spans: list[tuple[float, float]]) -> list[tuple[float, float]]:
-    out: list[tuple[float, float]] = []
-    for low, high in sorted(spans):
-        if out and low <= out[-1][1]:
-            out[-1] = (out[-1][0], max(out[-1][1], high))
-        else:
-            out.append((low, high))
-    return out
+@dataclass(frozen=True, slots=True)
+class Sample:
+    """One `/v1/tenants` snapshot: each backlogged tenant's dispatched cost so far (the
+    gateway's own accounting) and whether it was backlogged in the pool then."""
+
+    at: float
+    cost: dict[str, float]
+    backlogged: dict[str, bool]
 
 
-def _both(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> list[tuple[float, float]]:
-    out, i, j = [], 0, 0
-    while i < len(a) and j < len(b):
-        low, high = max(a[i][0], b[j][0]), min(a[i][1], b[j][1])
-        if low < high:
-            out.append((low, high))
-        if a[i][1] < b[j][1]:
-            i += 1
-        else:
-            j += 1
-    return out
+def sample_of(at: float, tenants: dict[str, Any], output: int) -> Sample:
+    """Cost as the fair share counts it, 1 x input + 2 x output: the snapshot's served tokens
+    (budgets, settled) plus one more output's worth per request (every request asks `output`)."""
+    cost, backlogged = {}, {}
+    for name in BACKLOGGED:
+        item = tenants.get(name, {})
+        extra = (OUTPUT_WEIGHT - 1.0) * output * item.get("served_requests", 0)
+        cost[name] = INPUT_WEIGHT * item.get("served_tokens", 0) + extra
+        backlogged[name] = POOL in item.get("backlogged_pools", [])
+    return Sample(at, cost, backlogged)
 
 
-def backlogged_gap(
-    records: Sequence[Record], pair: tuple[str, str], start: float, end: float
-) -> dict[str, float]:
-    """The largest |S_a(t1, t2) - S_b(t1, t2)| of dispatched cost (at start + the gateway's
-    queue wait) over intervals in [start, end) where both tenants had a request waiting at
-    the gateway throughout (the bound's condition), and over any interval (for reference)."""
-    admitted = [
-        (r.start + r.queue_ms / 1000.0, r)
-        for r in records
-        if r.tenant in pair and r.queue_ms is not None and r.status == 200
-    ]
-    waiting = {t: _merged([(r.start, at) for at, r in admitted if r.tenant == t]) for t in pair}
-    segments = [
-        (max(low, start), min(high, end))
-        for low, high in _both(waiting[pair[0]], waiting[pair[1]])
-        if high > start and low < end
-    ]
-    events = sorted((at, r.tenant, _cost(r)) for at, r in admitted if start <= at < end)
+async def sample_gateway(
+    load: Load, admin_url: str, until: float, output: int, every_s: float = 0.1
+) -> list[Sample]:
+    samples: list[Sample] = []
+    timeout = aiohttp.ClientTimeout(total=2.0)
+    async with aiohttp.ClientSession(timeout=timeout) as session:
+        while load.now() < until:
+            with contextlib.suppress(aiohttp.ClientError, TimeoutError):
+                async with session.get(f"{admin_url}/v1/tenants") as response:
+                    body = await response.json()
+                samples.append(sample_of(load.now(), body.get("tenants", {}), output))
+            await asyncio.sleep(every_s)
+    return samples
 
-    def gap(chosen: list[tuple[float, str, float]]) -> float:
-        level, low, high = 0.0, 0.0, 0.0
-        for _at, tenant, cost in chosen:
-            level += cost if tenant == pair[0] else -cost
-            low, high = min(low, level), max(high, level)
-        return high - low
 
-    within = [gap([e for e in events if low <= e[0] <= high]) for low, high in segments]
-    joint = sum(high - low for low, high in segments)
+def backlogged_gap(samples: Sequence[Sample], start: float, end: float) -> dict[str, float]:
+    """The largest |S_chat(t1, t2) - S_docs(t1, t2)| between samples in [start, end) with both
+    tenants backlogged at every sample from t1 to t2 (the bound's condition), and between any
+    two samples (for reference). Sampling can only miss a larger gap between two samples."""
+    chosen = [s for s in samples if start <= s.at < end]
+    first, second = BACKLOGGED
+
+    def widest(run: Sequence[Sample]) -> float:
+        diffs = [s.cost[first] - s.cost[second] for s in run]
+        return max(diffs) - min(diffs) if diffs else 0.0
+
+    runs: list[list[Sample]] = []
+    current: list[Sample] = []
+    for sample in chosen:
+        if all(sample.backlogged.values()):
+            current.append(sample)
+        elif current:
+            runs.append(current)
+            current = []
+    if current:
+        runs.append(current)
+    both = sum(run[-1].at - run[0].at for run in runs)
     return {
-        "max_gap": max(within, default=0.0),
-        "max_gap_any_interval": gap(events),
-        "both_backlogged_s": joint,
-        "segments": float(len(segments)),
+        "max_gap": max((widest(run) for run in runs), default=0.0),
+        "max_gap_any_interval": widest(chosen),
+        "both_backlogged_s": both,
+        "samples": float(len(chosen)),
     }
 
 
@@ -291,7 +304,7 @@ def measure(
     start, end = timing.warmup_s, timing.warmup_s + timing.measure_s
     done = [r for r in load.records if r.complete and r.status == 200 and start <= r.end < end]
     per_tenant = {t: [r for r in done if r.tenant == t] for t in KEYS}
-    gaps = backlogged_gap(load.records, BACKLOGGED, start, end)
+    gaps = backlogged_gap(counters["samples"], start, end)
     service = {
         t: sum(_cost(r) for r in load.records if r.tenant == t and r.queue_ms is not None
                and r.status == 200 and start <= r.start + r.queue_ms / 1000.0 < end)
@@ -338,10 +351,14 @@ def run_arm(arm: str, workdir: Path, work: Workload, timing: Timing, seed: int) 
         with scenario.arm_gateway(
             NAME, arm, workdir, engines, text, "service", announce=f"arm {arm}: starting"
         ) as gateway:
+            assert gateway.admin_url is not None
             before = engine_counters(endpoints)
-            load, _end = scenario.run_async(drive_arm(arm, gateway.url, work, timing, seed))
+            load, samples = scenario.run_async(
+                drive_arm(arm, gateway.url, gateway.admin_url, work, timing, seed)
+            )
             after = engine_counters(endpoints)
             counters: dict[str, Any] = {
+                "samples": samples,
                 "engines": [(before[e], after[e]) for e in endpoints],
                 "gateway": gateway_locality(gateway.admin_url),
             }

@@ -1,27 +1,41 @@
-"""The locality benchmark's service gap: only over intervals where both tenants wait."""
+"""The locality benchmark's service gap, from the gateway's sampled accounting: only over
+runs of samples where both tenants are backlogged."""
 
 from __future__ import annotations
 
-from gateway_lab.bench.locality import backlogged_gap, chat_spec
-from gateway_lab.bench.records import Record
+from gateway_lab.bench.locality import POOL, backlogged_gap, chat_spec, sample_of
 
 
-def _admitted(tenant: str, start: float, queued_s: float, prompt: int) -> Record:
-    return Record(tenant, start, 200, 0.1, start + 1, prompt, 8, queued_s * 1000.0, 8)
+def _sample(at: float, chat: int, docs: int, waiting: tuple[bool, bool]) -> object:
+    tenants = {
+        "chat": {"served_tokens": chat, "served_requests": 0,
+                 "backlogged_pools": [POOL] if waiting[0] else []},
+        "docs": {"served_tokens": docs, "served_requests": 0,
+                 "backlogged_pools": [POOL] if waiting[1] else []},
+    }  # fmt: skip
+    return sample_of(at, tenants, output=8)
 
 
-def test_the_gap_counts_only_while_both_tenants_wait() -> None:
-    records = [
-        _admitted("chat", 0.0, 2.0, 100),  # chat waits 0-2, admitted at 2
-        _admitted("docs", 0.5, 1.0, 50),  # docs waits 0.5-1.5, admitted at 1.5
-        _admitted("chat", 5.0, 0.0, 900),  # admitted at once, nobody waits
-        _admitted("chat", 6.0, 0.0, 900),
+def test_the_gap_counts_only_while_both_tenants_are_backlogged() -> None:
+    samples = [
+        _sample(0.0, 0, 0, (True, True)),
+        _sample(0.1, 500, 0, (True, True)),
+        _sample(0.2, 500, 900, (True, True)),  # run 1: diff 0, 500, -400 -> 900
+        _sample(0.3, 5000, 900, (True, False)),  # docs idle: chat may run ahead
+        _sample(0.4, 5000, 1000, (True, True)),
+        _sample(0.5, 5100, 1000, (True, True)),  # run 2: diff 4000, 4100 -> 100
     ]
-    gap = backlogged_gap(records, ("chat", "docs"), 0.0, 10.0)
-    assert gap["both_backlogged_s"] == 1.0
-    assert gap["max_gap"] == 50 + 2 * 8  # docs' one dispatch inside [0.5, 1.5]
-    # any interval: from after docs' dispatch (-66) to after chat's last (+1882)
-    assert gap["max_gap_any_interval"] == 66 + (116 - 66) + 2 * 916
+    gap = backlogged_gap(samples, 0.0, 1.0)  # type: ignore[arg-type]
+    assert gap["max_gap"] == 900
+    assert gap["max_gap_any_interval"] == 4100 - (-400)
+    assert abs(gap["both_backlogged_s"] - 0.3) < 1e-9
+
+
+def test_cost_adds_the_second_output_weight_per_request() -> None:
+    tenants = {"chat": {"served_tokens": 100, "served_requests": 2, "backlogged_pools": []}}
+    sample = sample_of(1.0, tenants, output=8)
+    assert sample.cost["chat"] == 100 + 2 * 8
+    assert sample.cost["docs"] == 0 and sample.backlogged == {"chat": False, "docs": False}
 
 
 def test_a_conversation_turn_counts_its_whole_history() -> None:
