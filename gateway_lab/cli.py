@@ -20,6 +20,10 @@ BENCH_SCENARIOS = {
         "calibrate_sched",
         "engine priority and long_prefill_token_threshold: emulator against vLLM (CPU)",
     ),
+    "calibrate-prefix-cache": (
+        "calibrate_prefix",
+        "prefix caching: a repeated long prompt's TTFT vs a fresh one, emulator vs vLLM (CPU)",
+    ),
     "noisy-neighbour": (
         "noisy",
         "a quiet tenant beside a flooder: FIFO, token bucket, full policy",
