@@ -36,6 +36,10 @@ BENCH_SCENARIOS = {
         "locality",
         "shared-prefix traffic on two replicas: VTC, DRR, DLPM (throughput, hits, gap, quiet TTFT)",
     ),
+    "locality-sim": (
+        "locality_sim",
+        "simulated replay of a hash_ids trace (Mooncake): VTC/DRR/DLPM",
+    ),
 }
 
 

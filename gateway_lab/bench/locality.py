@@ -63,8 +63,8 @@ ARMS = ("vtc", "drr", "dlpm")
 @dataclass(frozen=True)
 class Workload:
     replicas: int = 2
-    kv_blocks: int = 2500
-    """KV blocks (16 tokens) per replica: 40k tokens, below the working set of both tenants."""
+    kv_blocks: int = 2000
+    """KV blocks (16 tokens) per replica: 32k tokens, below the working set of both tenants."""
     chat_clients: int = 16
     chat_system: int = 1500
     chat_turn: int = 60
@@ -389,7 +389,7 @@ def run(out: Path, workdir: Path, work: Workload, timing: Timing, seed: int) -> 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     scenario.add_scenario_arguments(parser, DEFAULT_OUT, "measured seconds per arm (default 30)")
     parser.add_argument("--replicas", type=int, help="engine replicas in the pool (default 2)")
-    parser.add_argument("--kv-blocks", type=int, help="KV blocks per replica (default 2500)")
+    parser.add_argument("--kv-blocks", type=int, help="KV blocks per replica (default 2000)")
     parser.add_argument("--seed", type=int, default=5)
 
 

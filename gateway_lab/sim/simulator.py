@@ -231,7 +231,11 @@ class Simulation:
         record.admitted_at = now
         record.lease_id = admission.lease.lease_id
         self._by_lease[admission.lease.lease_id] = record
-        replica = self.fleet.assign(admission.ticket.pool, admission.ticket.budget)
+        chosen = admission.lease.replica  # the gateway's locality index chose (dlpm)
+        if chosen is None:
+            replica = self.fleet.assign(admission.ticket.pool, admission.ticket.budget)
+        else:
+            replica = self.fleet.assign_to(admission.ticket.pool, chosen, admission.ticket.budget)
         record.replica = replica.gid
         self._push(now + replica.core.profile.frontend_s, _ENTER, record.index)
 
@@ -250,7 +254,12 @@ class Simulation:
             return
         record.pool = pool
         ticket = gateway.ticket(
-            record.request_id, record.tenant, pool, record.input_tokens, record.max_tokens
+            record.request_id,
+            record.tenant,
+            pool,
+            record.input_tokens,
+            record.max_tokens,
+            prefix_blocks=tuple(record.hash_ids),
         )
         rejection = gateway.submit(ticket)
         if rejection is not None:
