@@ -56,7 +56,9 @@ class Gateway:
         self._remote: dict[str, RemoteRequestLease] = {}
         """Accounting streams of requests admitted by another process (shared state only)."""
         self._reconciling = False
-        self.locality_feedback = LocalityFeedback(scheduler.locality, engine_poller)
+        self.locality_feedback = LocalityFeedback(
+            scheduler.locality, engine_poller, bytes_per_token=estimator.chat_bytes_per_token
+        )
 
     @property
     def policy(self) -> Policy:

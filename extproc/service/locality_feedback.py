@@ -4,7 +4,9 @@ beside what the index predicted (a subscriber of extproc.service.engine_poller).
 Every `interval_s` it reads the endpoints of the pools the index covers (fairness `dlpm`),
 and hands each replica the increments of `vllm:prefix_cache_queries_total` and
 `vllm:prefix_cache_hits_total` since the previous reading; the scheduler snapshot (so
-`/v1/tenants` and the `extproc_locality_*` metrics) shows both sides.
+`/v1/tenants` and the `extproc_locality_*` metrics) shows both sides. At the same ticks it
+hands the index the estimator's current bytes per token (what a byte block is worth in
+tokens), rounded to 0.05 so that the caches are not resized for noise.
 """
 
 from __future__ import annotations
@@ -25,8 +27,10 @@ class LocalityFeedback:
         interval_s: float = 2.0,
         timeout_s: float = 1.0,
         now: Callable[[], float] = time.monotonic,
+        bytes_per_token: Callable[[], float] | None = None,
     ) -> None:
         self.index = index
+        self.bytes_per_token = bytes_per_token
         self.poller = poller
         self.interval_s = interval_s
         self.timeout_s = timeout_s
@@ -48,6 +52,8 @@ class LocalityFeedback:
 
     def wanted(self) -> Mapping[str, float]:
         self._read_at = self._now()
+        if self.bytes_per_token is not None:
+            self.index.set_bytes_per_token(round(self.bytes_per_token() * 20) / 20)
         return {
             endpoint: self.timeout_s
             for pool in self.index.pools.values()

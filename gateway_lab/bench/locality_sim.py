@@ -151,7 +151,7 @@ def main(args: argparse.Namespace) -> int:
 
 
 def _table(results: dict[str, dict[str, Any]], summary: dict[str, Any]) -> None:
-    print(f"{'arm':6} {'req/s':>7} {'x vtc':>6} {'hit rate':>8} {'gap':>9} {'bound':>8} "
+    print(f"{'arm':6} {'req/s':>7} {'x vtc':>6} {'hit rate':>8} {'gap (any)':>9} {'bound':>8} "
           f"{'TTFT p50':>9} {'TTFT p99':>9}")  # fmt: skip
     for name, arm in results.items():
         row = summary["rows"][name]

@@ -105,9 +105,12 @@ async def test_feedback_hands_each_replica_the_increments_of_its_engine() -> Non
     policy = policy_from_text(policy_yaml(short_endpoint=_TWO, extra="fairness: {policy: dlpm}\n"))
     index = LocalityIndex(policy)
     clock = [0.0]
-    feedback = LocalityFeedback(index, EnginePoller(), interval_s=2.0, now=lambda: clock[0])
+    feedback = LocalityFeedback(
+        index, EnginePoller(), interval_s=2.0, now=lambda: clock[0], bytes_per_token=lambda: 3.52
+    )
     assert feedback.due_in() == 0.0
     assert set(feedback.wanted()) == {"127.0.0.1:8001", "127.0.0.1:8003", "127.0.0.1:8002"}
+    assert index.bytes_per_token == 3.5  # the estimator's, rounded to 0.05
     assert feedback.due_in() == 2.0
 
     def reading(queries: float, hits: float) -> EngineReading:
