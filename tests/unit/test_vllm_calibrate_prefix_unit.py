@@ -38,12 +38,17 @@ async def test_pairs_move_the_counters_only_with_caching_on(caching: bool) -> No
     assert len(fresh) == len(repeated) == 2
     queries, hits = (moved[name] for name in calibrate_prefix.PREFIX_COUNTERS)
     assert (queries, hits) == ((4 * 300, 2 * 256) if caching else (0, 0))
+    # The emulator publishes no engine-side prefill time: the row shows none.
+    row = calibrate_prefix._row("emulated", caching, 300, fresh, repeated, moved)
+    assert row.repeat_engine_prefill_ms is None and row.pairs == 2
+    assert row.prefix_cache_hits == hits
+    assert "emulated  " in calibrate_prefix.format_rows([row])
 
 
 def test_main_refuses_a_prompt_beyond_the_preset(tmp_path: Path) -> None:
     parser = argparse.ArgumentParser()
     calibrate_prefix.add_arguments(parser)
-    args = parser.parse_args(["--engines", "emulated", "--prompt-tokens", "5000"])
+    args = parser.parse_args(["--engines", "emulated", "--prompt-tokens", "300,5000"])
     args.out = tmp_path
     assert calibrate_prefix.main(args) == 2
     assert not (tmp_path / "calibration-prefix.json").exists()
