@@ -123,3 +123,26 @@ async def test_feedback_hands_each_replica_the_increments_of_its_engine() -> Non
     assert rows[1]["engine_hit_tokens"] == 0.0  # its first reading is only the base
     feedback.deliver({"127.0.0.1:8001": reading(20, 0)})  # the engine restarted: a new base
     assert index.pools["short"].describe()[0]["engine_query_tokens"] == 300.0
+
+
+def test_policy_check_explains_the_locality_index_and_warns_about_shared_state() -> None:
+    from extproc.policy.capacity import capacity_warnings, describe_pools
+
+    dlpm = "fairness: {policy: dlpm}\n"
+    source = policy_from_text(policy_yaml(short_endpoint=_TWO, extra=dlpm)).source
+    short, long_ = describe_pools(source)
+    assert short.endswith(
+        "locality index 2 x 200000 KV tokens (max_inflight_tokens / endpoints; "
+        "the gateway picks the replica)"
+    )
+    assert long_.endswith(
+        "locality index 1 x 600000 KV tokens (max_inflight_tokens / endpoints; one replica)"
+    )
+    assert all(w.field != "fairness.policy" for w in capacity_warnings(source))
+    shared = policy_from_text(
+        policy_yaml(short_endpoint=_TWO, extra=dlpm + "state: {backend: redis}\n")
+    ).source
+    fields = [(w.pool, w.field) for w in capacity_warnings(shared)]
+    assert ("short", "fairness.policy") in fields and ("long", "fairness.policy") not in fields
+    plain = policy_from_text(policy_yaml(short_endpoint=_TWO)).source
+    assert all("locality" not in line for line in describe_pools(plain))
