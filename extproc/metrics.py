@@ -254,6 +254,12 @@ class Metrics:
             "extproc_pool_drain_rate", "Completions per second, decaying average", ["pool"],
             registry=r,
         )  # fmt: skip
+        self.locality_tokens = Gauge(
+            "extproc_locality_prefix_tokens",
+            "Prompt tokens per replica of a dlpm pool: the locality index's predicted hits and "
+            "lookups, and the engine's reported ones (vllm:prefix_cache_*)",
+            ["pool", "replica", "source", "kind"], registry=r,
+        )  # fmt: skip
         self.reclaimed_leases = Counter(
             "extproc_reclaimed_leases", "Capacity leases reclaimed by the lease timeout", ["pool"],
             registry=r,
@@ -310,7 +316,19 @@ class Metrics:
                 self.pool_max_inflight_tokens.labels(name).set(pool["max_inflight_tokens"])
             if pool.get("drain_rate") is not None:
                 self.pool_drain_rate.labels(name).set(pool["drain_rate"])
+        self._refresh_locality(snapshot.get("locality"))
         self._refresh_reclaimed(snapshot, pools)
+
+    def _refresh_locality(self, locality: Mapping[str, Any] | None) -> None:
+        self.locality_tokens.clear()
+        for pool, replicas in (locality or {}).get("pools", {}).items():
+            for index, row in enumerate(replicas):
+                gauge = self.locality_tokens
+                replica = str(index)
+                gauge.labels(pool, replica, "index", "hit").set(row["predicted_hit_tokens"])
+                gauge.labels(pool, replica, "index", "query").set(row["predicted_query_tokens"])
+                gauge.labels(pool, replica, "engine", "hit").set(row["engine_hit_tokens"])
+                gauge.labels(pool, replica, "engine", "query").set(row["engine_query_tokens"])
 
     def _refresh_reclaimed(self, snapshot: Mapping[str, Any], pools: Mapping[str, Any]) -> None:
         """Mirror the scheduler's reclaimed-lease totals into a counter (by pool when the

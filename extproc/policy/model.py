@@ -127,6 +127,9 @@ class Pool(StrictModel):
     """Requests above the soft limit (max_inflight - headroom) that only tenants below their
     fair share may use, so a quiet tenant never waits for a whole flooder request. Omitted:
     `default_headroom(max_inflight)`; 0: one limit."""
+    replica_kv_tokens: PositiveInt | None = None
+    """KV-cache tokens one endpoint (replica) holds: the size of its entry in the gateway's
+    locality index (fairness `dlpm`). Omitted: max_inflight_tokens / number of endpoints."""
     adaptive: AdaptiveLimit | None = None
     """Omitted: the soft limit follows the engines once they expose vLLM metrics, and stays
     static until then. A section (`{}` or tuned) starts at `initial_inflight` at once;
@@ -142,12 +145,30 @@ class Pool(StrictModel):
     def adaptive_enabled(self) -> bool:
         return self.adaptive is None or self.adaptive.enabled
 
+    @property
+    def kv_tokens_per_replica(self) -> int:
+        if self.replica_kv_tokens is not None:
+            return self.replica_kv_tokens
+        return max(1, self.max_inflight_tokens // len(self.endpoints))
+
+
+class Locality(StrictModel):
+    """The locality index and replica choice of fairness `dlpm` (docs/locality.md)."""
+
+    block_bytes: Annotated[int, Field(ge=16, le=65536)] = 256
+    """Bytes of rendered prompt per hashed block (about block_bytes / bytes-per-token tokens)."""
+    load_slack: PositiveInt = 4
+    """A replica is loaded beyond the limit when it has this many more requests in flight
+    than the least-loaded replica of its pool: the request then goes to the least-loaded."""
+
 
 class Fairness(StrictModel):
-    policy: Literal["drr", "vtc"] = "drr"
+    policy: Literal["drr", "vtc", "dlpm"] = "drr"
     input_weight: Annotated[float, Field(ge=0)] = 1.0
     output_weight: Annotated[float, Field(ge=0)] = 2.0
     quantum: PositiveInt = 64
+    locality: Locality = Field(default_factory=Locality)
+    """Used by `dlpm` only."""
 
 
 class Priority(StrictModel):

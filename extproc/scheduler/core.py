@@ -94,6 +94,7 @@ from extproc.scheduler.dispatch import Dispatcher, dispatchable_now
 from extproc.scheduler.leases import Leases
 from extproc.scheduler.limits import LimitStore, MemoryLimitStore, Take
 from extproc.scheduler.live import CapacityFactory, Live
+from extproc.scheduler.locality import LocalityIndex
 from extproc.scheduler.policy_update import apply_policy
 from extproc.scheduler.ratelimit import headers_for
 from extproc.scheduler.records import OrderKey, QueueEntry
@@ -156,6 +157,11 @@ class Scheduler:
     @property
     def store(self) -> LimitStore:
         return self._live.limiter.store
+
+    @property
+    def locality(self) -> LocalityIndex:
+        """What each pool's replicas are believed to hold (fairness `dlpm`; else empty)."""
+        return self._live.locality
 
     @property
     def membership_version(self) -> int:

@@ -20,6 +20,7 @@ from extproc.openai_request import PromptParts
 from extproc.policy import Policy
 from extproc.scheduler import Scheduler, Ticket
 from extproc.service.engine_poller import EnginePoller
+from extproc.service.locality_feedback import LocalityFeedback
 from extproc.service.ports import AccountedLease
 from extproc.service.reconcile import EngineLedger, Reconciler
 from extproc.service.remote import RemoteRequestLease
@@ -55,6 +56,9 @@ class Gateway:
         self._remote: dict[str, RemoteRequestLease] = {}
         """Accounting streams of requests admitted by another process (shared state only)."""
         self._reconciling = False
+        self.locality_feedback = LocalityFeedback(
+            scheduler.locality, engine_poller, bytes_per_token=estimator.chat_bytes_per_token
+        )
 
     @property
     def policy(self) -> Policy:
@@ -70,6 +74,7 @@ class Gateway:
         """Connect the admission state store (Redis) and start its background tasks; a no-op
         for the memory store. Call before serving (otherwise the first request starts them)."""
         await self._admission.start()
+        self.locality_feedback.start()
         reconciler = self.reconciler
         if reconciler is not None and not self._reconciling:
             self._reconciling = True

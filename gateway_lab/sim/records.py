@@ -22,6 +22,8 @@ class RequestRecord:
     """max_tokens the client asked for: the scheduler reserves it and routing counts it."""
     priority: int = 0
     """vLLM's request priority (lower first) the engine gets; see TraceRequest.priority."""
+    hash_ids: tuple[int, ...] = ()
+    """The prompt's prefix block ids (TraceRequest.hash_ids), keying the engine's cache."""
     tier: str | None = None
     pool: str | None = None
     outcome: Outcome | None = None

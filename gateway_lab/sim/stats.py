@@ -96,13 +96,16 @@ def group_by(
 
 
 def engine_summary(result: SimResult) -> dict[str, Any]:
-    """Per pool: replicas, configuration, utilisation (busy-time fraction), preemptions."""
+    """Per pool: replicas, configuration, utilisation (busy-time fraction), preemptions, and
+    the prefix cache's hit rate (cached prompt tokens / queried ones, as vLLM counts them)."""
     span = max(result.end_time, 1e-9)
     out: dict[str, Any] = {}
     for pool, engines in result.fleet.items():
         members = [replica for replica in result.replicas if replica.pool == pool]
         busy = [replica.busy_s / span for replica in members]
         tokens = sum(replica.output_tokens for replica in members)
+        queries = sum(replica.prefix_cache_queries for replica in members)
+        hits = sum(replica.prefix_cache_hits for replica in members)
         out[pool] = {
             "replicas": engines.replicas,
             "profile": engines.profile.name,
@@ -117,6 +120,10 @@ def engine_summary(result: SimResult) -> dict[str, Any]:
             "preemptions": sum(replica.preemptions for replica in members),
             "output_tokens": tokens,
             "output_tokens_per_s": round(tokens / span, 3),
+            "prefix_caching": engines.profile.enable_prefix_caching,
+            "prefix_cache_queries": queries,
+            "prefix_cache_hits": hits,
+            "prefix_cache_hit_rate": round(hits / queries, 6) if queries else None,
         }
     return out
 
