@@ -28,6 +28,10 @@ BENCH_SCENARIOS = {
     "tiers": ("tiers", "premium vs standard tenants over capacity: TTFT, weighted shares, waits"),
     "scaleout": ("scaleout", "admissions/s and latency with 1, 2, 4 processes, memory vs Redis"),
     "scheduler-scaling": ("sched_scaling", "scheduler CPU per admission vs queue depth"),
+    "self-overload": (
+        "self_overload",
+        "a quiet tenant while the gateway itself is overloaded; kvwarden peer; phase timings",
+    ),
 }
 
 
