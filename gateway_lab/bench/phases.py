@@ -33,6 +33,20 @@ TIMING_FIELDS = {
     "client_headers": "%COMMON_DURATION(DS_RX_BEG:DS_TX_BEG:us)%",
 }
 PHASES = tuple(TIMING_FIELDS)
+EXT_PROC_FIELDS = {
+    f"ext_proc_{name}": f"%FILTER_STATE(extproc.admission:FIELD:{name})%"
+    for name in (
+        "request_header_latency_us",
+        "request_body_total_latency_us",
+        "response_header_latency_us",
+    )
+}
+"""How long Envoy waited for each ext_proc reply of the admission filter (its logging info)."""
+EXT_PROC_STEPS = {
+    "ext_proc_request_header_latency_us": "  of which: Envoy waits for the request-headers reply",
+    "ext_proc_request_body_total_latency_us": "  of which: Envoy waits for the request-body reply",
+    "ext_proc_response_header_latency_us": "  Envoy waits for the response-headers reply",
+}
 STEPS = (
     ("receive request", None, "request_in"),
     ("request -> upstream (ext_proc headers + body)", "request_in", "upstream_start"),
@@ -61,6 +75,7 @@ def timed_bootstrap(text: str) -> str:
     for entry in _access_logs(bootstrap):
         fields = entry["typedConfig"]["logFormat"]["jsonFormat"]
         fields.update(TIMING_FIELDS)
+        fields.update(EXT_PROC_FIELDS)
         fields[MARK] = "1"
         fields["tenant_header"] = "%REQ(X-BENCH-TENANT)%"
         found += 1
@@ -115,6 +130,10 @@ def breakdown(rows: Sequence[Mapping[str, Any]], tenant: str | None = None) -> d
             if stop is not None and begin is not None:
                 values.append(stop - begin)
         steps[label] = _summary(values)
+    for name in EXT_PROC_FIELDS:
+        values = [v for r in chosen if (v := _number(r.get(name))) is not None]
+        if values:
+            steps[EXT_PROC_STEPS[name]] = _summary(values)
     return {"requests": len(chosen), "phases_ms": phases, "steps_ms": steps}
 
 
@@ -135,9 +154,13 @@ def print_breakdown(by_arm: Mapping[str, Mapping[str, Any]]) -> None:
         return
     print("\nper-phase medians (ms, from Envoy's access log), quiet tenant alone:")
     print(f"{'step':58}" + "".join(f"{arm:>16}" for arm in arms))
-    for label, _start, _end in STEPS:
+    labels = [label for label, _start, _end in STEPS]
+    labels[2:2] = list(EXT_PROC_STEPS.values())[:2]
+    labels[5:5] = list(EXT_PROC_STEPS.values())[2:]
+    for label in labels:
         cells = []
         for arm in arms:
-            value = by_arm[arm]["steps_ms"][label]["p50"]
+            step = by_arm[arm]["steps_ms"].get(label)
+            value = math.nan if step is None else step["p50"]
             cells.append("-" if math.isnan(value) else f"{value:.3f}")
         print(f"{label:58}" + "".join(f"{cell:>16}" for cell in cells))
