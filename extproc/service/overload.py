@@ -10,11 +10,11 @@ Two cheap signals say the service is falling behind (`gateway.overload` in the p
   or held yet); the oldest one's age is compared with `message_age_fraction` of
   `gateway.message_timeout`.
 
-While either is over its threshold (lag: two samples in a row, so one collector pause does not
-count) and for `recover_ms` after, the service sheds: new requests of the tenants above their
-fair share (`Scheduler.over_share`, refreshed every sample) get 429 + Retry-After at submit,
-and their queued requests are answered the same way at once. Tenants within their share are
-never shed: what is left of the service's time goes to them.
+While either is over its threshold (lag: two samples within half a second, so one collector
+pause does not count) and for `recover_ms` after, the service sheds: new requests of the
+tenants above their fair share (`Scheduler.over_share`, refreshed every sample) get 429 +
+Retry-After at submit, and their queued requests are answered the same way at once. Tenants
+within their share are never shed: what is left of the service's time goes to them.
 """
 
 from __future__ import annotations
@@ -23,14 +23,18 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections import deque
 from collections.abc import Callable
 
 from extproc.policy.model import Gateway as GatewaySettings
 
 log = logging.getLogger("extproc.overload")
 
-LAG_SAMPLES_IN_A_ROW = 2
-"""Lag samples over the threshold, consecutive, that start shedding (one stall is not load)."""
+LAG_SAMPLES = 2
+LAG_WINDOW_S = 0.5
+"""Shedding starts when LAG_SAMPLES samples within LAG_WINDOW_S are over the threshold: one
+stall (a collection, a reload) is not load, while a saturated loop (or a process the host
+keeps descheduling) is late sample after sample."""
 
 
 class OverloadDetector:
@@ -47,7 +51,7 @@ class OverloadDetector:
         self._clock = clock
         self._pending: dict[object, float] = {}
         """Admission streams Envoy waits on -> when they opened (insertion order = age)."""
-        self._lags_over = 0
+        self._late_samples: deque[float] = deque(maxlen=LAG_SAMPLES)
         self._last_over: float | None = None
         self.reason: str | None = None
         """Why the service sheds now ("lag" or "message_age"), None when it does not."""
@@ -87,11 +91,13 @@ class OverloadDetector:
         if not self.settings.enabled:
             self.reason, self._last_over, self.shed_set = None, None, frozenset()
             return False
-        self._lags_over = self._lags_over + 1 if lag_s > self._lag_threshold_s else 0
+        late = self._late_samples
         reason: str | None = None
-        if self._lags_over >= LAG_SAMPLES_IN_A_ROW:
-            reason = "lag"
-        elif self.oldest_pending_age(now) > self._age_limit_s:
+        if lag_s > self._lag_threshold_s:
+            late.append(now)
+            if len(late) == LAG_SAMPLES and now - late[0] <= LAG_WINDOW_S:
+                reason = "lag"
+        if reason is None and self.oldest_pending_age(now) > self._age_limit_s:
             reason = "message_age"
         if reason is not None:
             if self.reason is None:
