@@ -78,6 +78,7 @@ def timed_bootstrap(text: str) -> str:
         fields.update(EXT_PROC_FIELDS)
         fields[MARK] = "1"
         fields["tenant_header"] = "%REQ(X-BENCH-TENANT)%"
+        fields["details"] = "%RESPONSE_CODE_DETAILS%"
         found += 1
     if not found:
         raise ValueError("the bootstrap has no access log to add timing to")
@@ -135,6 +136,17 @@ def breakdown(rows: Sequence[Mapping[str, Any]], tenant: str | None = None) -> d
         if values:
             steps[EXT_PROC_STEPS[name]] = _summary(values)
     return {"requests": len(chosen), "phases_ms": phases, "steps_ms": steps}
+
+
+def details_by_tenant(rows: Sequence[Mapping[str, Any]]) -> dict[str, dict[str, int]]:
+    """Per tenant, how many answers of each "status details" (504
+    `ext_proc_error_per-message_timeout_exceeded`, `via_upstream`, ...)."""
+    out: dict[str, dict[str, int]] = {}
+    for row in rows:
+        counts = out.setdefault(str(row.get("tenant_header")), {})
+        key = f"{row.get('status')} {row.get('details')}"
+        counts[key] = counts.get(key, 0) + 1
+    return out
 
 
 def _summary(values_us: Sequence[float]) -> dict[str, float]:
