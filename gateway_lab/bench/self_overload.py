@@ -107,6 +107,7 @@ ARMS = (
     Arm("room-fifo", "straight", "room"),
     Arm("room-full", "service", "room"),
     Arm("over-fifo", "straight", "over"),
+    Arm("over-noop", "noop", "over"),
     Arm("over-kvwarden", "kvwarden", "over"),
     Arm("over-full", "service", "over"),
 )
