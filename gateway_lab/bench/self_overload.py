@@ -83,7 +83,7 @@ class Timing:
 
     @classmethod
     def quick(cls) -> Timing:
-        return cls(10.0, 2.0, 5.0)
+        return cls(4.0, 1.0, 3.0)
 
 
 @dataclass(frozen=True)
@@ -439,7 +439,10 @@ def main(args: argparse.Namespace) -> int:
         if unknown:
             raise SystemExit(f"unknown arms {unknown}; known: {list(known)}")
         arms = [known[a] for a in wanted]
-    if args.no_kvwarden:
+    if args.no_kvwarden or not (args.kvwarden_venv / "bin" / "kvwarden").exists():
+        if not args.no_kvwarden and any(a.front == "kvwarden" for a in arms):
+            log(NAME, f"no kvwarden in {args.kvwarden_venv} (scripts/setup-kvwarden.sh): "
+                      "its arms are skipped")  # fmt: skip
         arms = [a for a in arms if a.front != "kvwarden"]
     run(args.out, scenario.workdir_of(args), work, timing, arms, args.kvwarden_venv, args.seed)
     return 0
