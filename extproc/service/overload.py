@@ -102,7 +102,7 @@ class OverloadDetector:
         if reason is not None:
             if self.reason is None:
                 log.warning(
-                    "falling behind (%s: lag %.0f ms, oldest unanswered message %.0f ms): "
+                    "falling behind (%s; loop lag %.0f ms, oldest unanswered message %.0f ms): "
                     "shedding tenants above their fair share",
                     reason,
                     lag_s * 1000.0,
