@@ -265,6 +265,20 @@ class Metrics:
             registry=r,
         )  # fmt: skip
         self._reclaimed_seen: dict[str, int] = {}
+        # -- the service falling behind itself (extproc.service.overload) ------------------------
+        self.shed = Counter(
+            "extproc_shed", "Requests shed because the service fell behind (reason: lag or "
+            "message_age), new or queued, of tenants above their fair share", ["reason", "tier"],
+            registry=r,
+        )  # fmt: skip
+        self.event_loop_lag = Gauge(
+            "extproc_event_loop_lag_seconds", "Latest event-loop lag sampled by the monitor",
+            registry=r,
+        )  # fmt: skip
+        self.overloaded = Gauge(
+            "extproc_overload_shedding", "1 while the service sheds tenants above their share",
+            registry=r,
+        )  # fmt: skip
 
     # -- policy reloads ---------------------------------------------------------------------------
 

