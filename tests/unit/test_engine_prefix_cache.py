@@ -58,8 +58,22 @@ def test_a_repeated_prompt_prefills_only_after_its_cached_blocks() -> None:
     core.add_request("b", 10, 1, token_ids=prompt)
     (step,) = run(core)
     assert step.num_prefill_tokens == 2 and step.num_context_tokens == 10
+    (finished,) = step.finished
+    assert finished.cached_tokens == 8 and finished.prompt_tokens == 10
     assert step.duration == pytest.approx(0.01 + 0.002)
     assert (core.prefix_cache_queries_total, core.prefix_cache_hits_total) == (20, 8)
+
+
+def test_a_lookup_without_admission_changes_nothing() -> None:
+    core = EngineCore(TINY)
+    prompt = list(range(10))
+    keys = chain_block_hashes(prompt, 4)
+    assert core.cached_prefix_tokens(10, keys) == 0
+    prefill_of(core, "a", prompt)
+    order = core.block_pool.eviction_order()
+    assert core.cached_prefix_tokens(10, keys) == 8
+    assert core.cached_prefix_tokens(8, keys) == 4  # the last token is never a hit
+    assert core.block_pool.eviction_order() == order and core.prefix_cache_queries_total == 10
 
 
 def test_the_last_token_is_never_served_from_the_cache() -> None:
