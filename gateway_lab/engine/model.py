@@ -310,7 +310,8 @@ class EngineCore:
             if need > 0:
                 pool.allocate(need)
                 seq.num_blocks += need
-            self._cache_full_blocks(seq, seq.num_computed + new)
+            if seq.num_keyed < len(seq.block_hashes):  # a decode has nothing left to key
+                self._cache_full_blocks(seq, seq.num_computed + new)
             scheduled[seq] = new
             budget -= new
             i += 1
