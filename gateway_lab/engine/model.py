@@ -57,6 +57,8 @@ class FinishedRequest:
     first_token_time: float
     finish_time: float
     preemptions: int
+    cached_tokens: int = 0
+    """Prompt tokens its first admission found in the prefix cache (prefill skipped)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,6 +102,8 @@ class _Seq:
     """The keys of the blocks it holds that are cached (shared or its own), in block order."""
     num_keyed: int = 0
     """Its leading blocks already given their key (or found as a hit)."""
+    cached_tokens: int = 0
+    """The prefix-cache hit of its first admission, in tokens."""
     aborted: bool = False
     preemptions: int = 0
     scheduled_time: float = -1.0
@@ -163,6 +167,12 @@ class EngineCore:
 
     def output_tokens(self, req_id: str) -> int:
         return self._seqs[req_id].num_output
+
+    def cached_prefix_tokens(self, prompt_tokens: int, block_hashes: Sequence[BlockHash]) -> int:
+        """The tokens a prompt with these block keys would find cached if admitted now (no
+        side effect: what a router that saw the engine's cache would know)."""
+        block_size = self.profile.block_size
+        return self._pool.longest_hit(block_hashes, prompt_tokens, block_size) * block_size
 
     # -- requests ----------------------------------------------------------------------------
 
@@ -300,7 +310,8 @@ class EngineCore:
             if need > 0:
                 pool.allocate(need)
                 seq.num_blocks += need
-            self._cache_full_blocks(seq, seq.num_computed + new)
+            if seq.num_keyed < len(seq.block_hashes):  # a decode has nothing left to key
+                self._cache_full_blocks(seq, seq.num_computed + new)
             scheduled[seq] = new
             budget -= new
             i += 1
@@ -327,6 +338,7 @@ class EngineCore:
                 if pool.caching and not seq.preemptions:
                     self.prefix_cache_queries_total += total
                     self.prefix_cache_hits_total += seq.num_computed
+                    seq.cached_tokens = seq.num_computed
                 if seq.scheduled_time < 0:
                     seq.scheduled_time = now
                 running.append(seq)
@@ -436,4 +448,5 @@ class EngineCore:
             seq.first_token_time,
             end,
             seq.preemptions,
+            seq.cached_tokens,
         )

@@ -38,6 +38,8 @@ class RequestRecord:
     charged: int = 0
     """Output tokens charged to the scheduler (one charge_output per generated token)."""
     preemptions: int = 0
+    cached_tokens: int = 0
+    """Prompt tokens the engine found in its prefix cache (their prefill skipped)."""
 
     @property
     def completed(self) -> bool:

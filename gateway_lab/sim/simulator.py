@@ -333,6 +333,7 @@ class Simulation:
                 record = by_id[finished.req_id]
                 record.finished_at = finished.finish_time
                 record.preemptions = finished.preemptions
+                record.cached_tokens = finished.cached_tokens
                 self.fleet.done(replica, record.input_tokens + record.max_tokens)
                 if record.lease_id is not None:
                     release(record.lease_id, record.input_tokens, finished.output_tokens)

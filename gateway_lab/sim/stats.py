@@ -54,12 +54,15 @@ def _values(
 
 
 def summarize(records: Sequence[RequestRecord], slo: Slo) -> dict[str, Any]:
-    """Latencies (ms), SLO attainment (fractions of all requests), outcomes, tokens."""
+    """Latencies (ms), SLO attainment (fractions of all requests), outcomes, tokens, and the
+    share of the completed requests' prompt tokens the engines found in their prefix caches."""
     total = len(records)
     outcomes = Counter(
         "unresolved" if record.outcome is None else record.outcome.value for record in records
     )
     completed = [record for record in records if record.completed]
+    input_tokens = sum(record.input_tokens for record in completed)
+    cached = sum(record.cached_tokens for record in completed)
 
     def share(predicate: Callable[[RequestRecord], bool]) -> float | None:
         return round(sum(1 for r in records if predicate(r)) / total, 6) if total else None
@@ -81,8 +84,10 @@ def summarize(records: Sequence[RequestRecord], slo: Slo) -> dict[str, Any]:
         },
         "preemptions": sum(record.preemptions for record in records),
         "preempted_requests": sum(1 for record in records if record.preemptions),
-        "input_tokens": sum(record.input_tokens for record in completed),
+        "input_tokens": input_tokens,
         "output_tokens": sum(record.generated for record in records),
+        "cached_input_tokens": cached,
+        "prefix_cache_hit_rate": round(cached / input_tokens, 6) if input_tokens else None,
     }
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
 from gateway_lab.engine.block_cache import BlockPool, chain_block_hashes, rechunk_block_hashes
@@ -58,8 +58,22 @@ def test_a_repeated_prompt_prefills_only_after_its_cached_blocks() -> None:
     core.add_request("b", 10, 1, token_ids=prompt)
     (step,) = run(core)
     assert step.num_prefill_tokens == 2 and step.num_context_tokens == 10
+    (finished,) = step.finished
+    assert finished.cached_tokens == 8 and finished.prompt_tokens == 10
     assert step.duration == pytest.approx(0.01 + 0.002)
     assert (core.prefix_cache_queries_total, core.prefix_cache_hits_total) == (20, 8)
+
+
+def test_a_lookup_without_admission_changes_nothing() -> None:
+    core = EngineCore(TINY)
+    prompt = list(range(10))
+    keys = chain_block_hashes(prompt, 4)
+    assert core.cached_prefix_tokens(10, keys) == 0
+    prefill_of(core, "a", prompt)
+    order = core.block_pool.eviction_order()
+    assert core.cached_prefix_tokens(10, keys) == 8
+    assert core.cached_prefix_tokens(8, keys) == 4  # the last token is never a hit
+    assert core.block_pool.eviction_order() == order and core.prefix_cache_queries_total == 10
 
 
 def test_the_last_token_is_never_served_from_the_cache() -> None:
@@ -334,3 +348,88 @@ def test_cache_invariants(
     # Every request prefilled at least its last token.
     assert core.prefix_cache_hits_total <= total_prompt - len(workload)
     assert pool.num_free == kv_blocks and core.used_blocks == 0
+
+
+class _VllmFreeQueue:
+    """vLLM's block pool as written (block_pool.py): named blocks, one free queue that takes
+    from its head, freed uncached blocks prepended, freed cached blocks appended."""
+
+    def __init__(self, num_blocks: int) -> None:
+        self.queue: list[int] = list(range(num_blocks))
+        self.key: dict[int, int] = {}  # block -> key
+        self.block: dict[int, int] = {}  # key -> block
+        self.refs = [0] * num_blocks
+
+    def allocate(self, n: int) -> list[int]:
+        taken, self.queue = self.queue[:n], self.queue[n:]
+        for b in taken:
+            if b in self.key:
+                del self.block[self.key.pop(b)]
+            self.refs[b] = 1
+        return taken
+
+    def touch(self, keys: list[int]) -> list[int]:
+        blocks = [self.block[k] for k in keys]
+        for b in blocks:
+            if self.refs[b] == 0:
+                self.queue.remove(b)
+            self.refs[b] += 1
+        return blocks
+
+    def free(self, blocks: list[int]) -> None:
+        first: list[int] = []
+        last: list[int] = []
+        for b in reversed(blocks):
+            self.refs[b] -= 1
+            if self.refs[b] == 0:
+                (last if b in self.key else first).append(b)
+        self.queue = first + self.queue + last
+
+    def eviction_order(self) -> list[int]:
+        return [self.key[b] for b in self.queue if b in self.key]
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 2), st.integers(0, 5), st.integers(0, 7)), max_size=80))
+def test_block_pool_evicts_exactly_as_vllms_free_queue(ops: list[tuple[int, int, int]]) -> None:
+    # Requests allocate, key their blocks in order, hit cached keys and finish; the counted
+    # pool and vLLM's named free queue agree on free blocks, cached keys and eviction order.
+    pool = BlockPool(10, caching=True)
+    ref = _VllmFreeQueue(10)
+    live: list[tuple[list[int], list[int], list[int]]] = []  # (blocks, keys, own uncached)
+    next_key = 100
+    evictions = 0
+    for kind, a, b in ops:
+        if kind == 0:  # admission: hit `a` cached keys (if any), allocate `b` blocks
+            hits = (
+                ref.eviction_order()[:a]
+                + [ref.key[blk] for blk in ref.key if ref.refs[blk] > 0][
+                    : max(0, a - len(ref.eviction_order()))
+                ]
+            )
+            if pool.blocks_to_allocate(hits, b) > pool.num_free:
+                continue
+            pool.touch(hits)
+            pool.allocate(b)
+            blocks = ref.touch(hits) + ref.allocate(b)
+            live.append((blocks, list(hits), blocks[len(hits) :]))
+        elif kind == 1 and live:  # the request keys its next `b` uncached blocks
+            blocks, keys, own = live[a % len(live)]
+            for _ in range(min(b, len(own))):
+                assert pool.cache(next_key)
+                ref.key[own[0]] = next_key
+                ref.block[next_key] = own.pop(0)
+                keys.append(next_key)
+                next_key += 1
+        elif kind == 2 and live:  # the request finishes (or is preempted)
+            blocks, keys, own = live.pop(a % len(live))
+            pool.free(keys, len(own))
+            ref.free(blocks)
+        assert pool.num_free == len(ref.queue)
+        assert pool.eviction_order() == ref.eviction_order()
+        assert {k: pool.ref_count(k) for k in ref.block} == {
+            k: ref.refs[blk] for k, blk in ref.block.items()
+        }
+        assert pool.num_cached == len(ref.block)
+        evictions = pool.evictions_total
+    event("evicted" if evictions else "no eviction")

@@ -46,7 +46,11 @@ def test_turns_of_a_conversation_skip_the_prefill_of_their_shared_blocks() -> No
     assert replica.prefix_cache_queries == 1100 + 1600 + 2100 + 1100
     # 1024 (turn 2) + 1536 (turn 3): whole 512-token id blocks map onto 16-token engine blocks.
     assert replica.prefix_cache_hits == 1024 + 1536
-    engines = report(result)["engines"]["p"]
+    assert [record.cached_tokens for record in result.records] == [0, 1024, 1536, 0]
+    summary = report(result)
+    assert summary["overall"]["cached_input_tokens"] == 2560
+    assert summary["by_tenant"]["a"]["prefix_cache_hit_rate"] == pytest.approx(2560 / 5900)
+    engines = summary["engines"]["p"]
     assert engines["prefix_cache_hit_rate"] == pytest.approx(2560 / 5900, abs=1e-6)
     assert "prefix cache hit rate 43.39%" in format_report(report(result))
 
