@@ -112,3 +112,16 @@ def never_fits_rate_limit(tenant: str, budget: int, setting: str, capacity: int)
         f"{setting} {capacity}: it can never pass; lower max_tokens or shorten the prompt",
         "budget_exceeds_rate_limit",
     )
+
+
+def overloaded(tenant: str, retry_after_s: int) -> GatewayError:
+    """The service fell behind and sheds the tenants above their fair share first: the same
+    answer as a queued request shed for it (extproc.scheduler.shares.shed_queued)."""
+    return GatewayError(
+        Outcome.SHED,
+        429,
+        f"the gateway is overloaded and tenant {tenant!r} is above its fair share; "
+        f"retry after {retry_after_s}s",
+        Outcome.SHED.value,
+        retry_after_s=retry_after_s,
+    )

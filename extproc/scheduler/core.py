@@ -87,13 +87,14 @@ from typing import Any
 from extproc.endpoints import EndpointClass
 from extproc.policy.model import Pool
 from extproc.policy.runtime import Policy
-from extproc.scheduler import estimates, retry_after
+from extproc.scheduler import estimates, retry_after, shares
 from extproc.scheduler.capacity import Capacity, StaticCapacity
 from extproc.scheduler.clock import Clock
 from extproc.scheduler.dispatch import Dispatcher, dispatchable_now
 from extproc.scheduler.leases import Leases
 from extproc.scheduler.limits import LimitStore, MemoryLimitStore, Take
 from extproc.scheduler.live import CapacityFactory, Live
+from extproc.scheduler.locality import LocalityIndex
 from extproc.scheduler.policy_update import apply_policy
 from extproc.scheduler.ratelimit import headers_for
 from extproc.scheduler.records import OrderKey, QueueEntry
@@ -156,6 +157,11 @@ class Scheduler:
     @property
     def store(self) -> LimitStore:
         return self._live.limiter.store
+
+    @property
+    def locality(self) -> LocalityIndex:
+        """What each pool's replicas are believed to hold (fairness `dlpm`; else empty)."""
+        return self._live.locality
 
     @property
     def membership_version(self) -> int:
@@ -370,6 +376,19 @@ class Scheduler:
             self._live.remove(entry, now, refund=True)
             out.append(reject(entry.ticket, Outcome.UNAVAILABLE, 503, retry_after_s, message))
         return out
+
+    def over_share(self) -> set[str]:
+        """Tenants above their fair share now (extproc.scheduler.shares): the ones shed first
+        when the service itself falls behind. O(tenants + active tenants per pool)."""
+        return shares.over_share(self._live, self.clock.now())
+
+    def shed_queued_of(self, tenants: set[str], message: str) -> list[Rejection]:
+        """Answer the queued requests of `tenants` (overload): 429 + Retry-After, refunded."""
+        return shares.shed_queued(self._live, tenants, self.clock.now(), message)
+
+    def shed_retry_after(self, ticket: Ticket) -> int:
+        """Retry-After for a request shed before it queued: the shed rule for its pool."""
+        return shares.shed_retry_after(self._live, ticket, self.clock.now())
 
     # --- leases ---------------------------------------------------------------------------------
 

@@ -42,6 +42,7 @@ class Leases:
         cost = live.fair_cost(ticket)
         band.fair.on_dispatch(state.name, cost)
         self._lease_seq += 1
+        replica = live.locality.route(pool.name, ticket.prefix_blocks, ticket.input_tokens)
         lease = Lease(
             lease_id=self._lease_seq,
             request_id=ticket.request_id,
@@ -51,6 +52,7 @@ class Leases:
             budget=budget,
             admitted_at=now,
             expires_at=now + live.policy.source.gateway.lease_timeout,
+            replica=replica,
         )
         reserved = ticket.max_output_tokens if live.reserve_output else 0
         live.leases[lease.lease_id] = LeaseState(lease, ticket, reserved, cost, entry=entry)
@@ -156,6 +158,7 @@ class Leases:
         state.inflight_tokens -= lease.budget
         pool = live.pools[lease.pool]
         pool.capacity.release(lease.budget)
+        live.locality.finished(lease.pool, lease.replica)
         used = pool.users.get(lease.tenant)
         if used is not None:
             used.requests -= 1

@@ -9,7 +9,9 @@ from extproc.endpoints import EndpointClass
 from extproc.policy.model import Pool, Tenant
 from extproc.policy.runtime import Policy
 from extproc.scheduler.capacity import Capacity
+from extproc.scheduler.fairness import LocalityAware
 from extproc.scheduler.limits import LimitStore
+from extproc.scheduler.locality import LocalityIndex
 from extproc.scheduler.pools import Band, PoolState, new_bands
 from extproc.scheduler.queues import TenantQueue, TenantState, Timers
 from extproc.scheduler.ratelimit import RateLimiter
@@ -46,19 +48,34 @@ class Live:
         self.parked: set[tuple[str, str]] = set()
         self.membership_version = 0
         """Bumped whenever a tenant starts or stops competing for a pool."""
+        self.locality = LocalityIndex(policy)
         self.pools: dict[str, PoolState] = {
             name: self.new_pool(name, spec) for name, spec in policy.pools.items()
         }
 
     # --- construction ---------------------------------------------------------------------------
 
-    def new_bands(self) -> list[Band]:
+    def new_bands(self, pool_name: str) -> list[Band]:
         source = self.policy.source
-        return new_bands(source.tiers, source.fairness)
+        bands = new_bands(source.tiers, source.fairness)
+        for band in bands:
+            if isinstance(band.fair, LocalityAware):
+                band.fair.bind_locality(self._head_cached_tokens(pool_name))
+        return bands
+
+    def _head_cached_tokens(self, pool_name: str) -> Callable[[str], float]:
+        """For a locality-aware band: the cached prefix of a member's head request."""
+        tenants, locality = self.tenants, self.locality
+
+        def cached(tenant: str) -> float:
+            ticket = tenants[tenant].queues[pool_name].head().ticket
+            return locality.cached_tokens(pool_name, ticket.prefix_blocks)
+
+        return cached
 
     def new_pool(self, name: str, spec: Pool) -> PoolState:
         drain = DecayingRate(self._drain_halflife_s, self._min_drain_samples)
-        return PoolState(name, self._capacity_factory(name, spec), self.new_bands(), drain)
+        return PoolState(name, self._capacity_factory(name, spec), self.new_bands(name), drain)
 
     def tenant(self, name: str) -> TenantState:
         state = self.tenants.get(name)

@@ -51,7 +51,7 @@ def snapshot(live: Live, now: float, reclaimed_leases: int) -> dict[str, Any]:
             else {"tier": pool.bands[held.rank].tier, "tenant": held.tenant},
             "retired": pool.retired,
         }
-    return {
+    out: dict[str, Any] = {
         "tenants": tenants,
         "pools": pools,
         "queued": len(live.entries),
@@ -59,3 +59,6 @@ def snapshot(live: Live, now: float, reclaimed_leases: int) -> dict[str, Any]:
         "reclaimed_leases": reclaimed_leases,
         "fairness": policy.source.fairness.policy,
     }
+    if live.locality.enabled:
+        out["locality"] = live.locality.describe()
+    return out

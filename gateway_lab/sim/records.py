@@ -23,6 +23,8 @@ class RequestRecord:
     """max_tokens the client asked for: the scheduler reserves it and routing counts it."""
     priority: int = 0
     """vLLM's request priority (lower first) the engine gets; see TraceRequest.priority."""
+    hash_ids: tuple[int, ...] = ()
+    """The prompt's prefix block ids (TraceRequest.hash_ids), keying the engine's cache."""
     endpoint: EndpointClass = "chat"
     """A pooling class (embeddings, rerank) runs its prefill only: no output, no max_tokens."""
     tier: str | None = None
@@ -39,6 +41,8 @@ class RequestRecord:
     charged: int = 0
     """Output tokens charged to the scheduler (one charge_output per generated token)."""
     preemptions: int = 0
+    cached_tokens: int = 0
+    """Prompt tokens the engine found in its prefix cache (their prefill skipped)."""
 
     @property
     def completed(self) -> bool:

@@ -15,7 +15,10 @@ Recognised columns (case-insensitive, CSV header or JSONL keys):
 - endpoint (optional): ``endpoint`` or ``endpoint_class``, the request's endpoint class
   (extproc.endpoints: chat, completions, embeddings, rerank; absent or empty = chat). A
   pooling request (embeddings, rerank) has no output: its output column is ignored (it may be
-  empty) and it costs its prompt's prefill only.
+  empty) and it costs its prompt's prefill only;
+- prefix block hashes (optional): ``hash_ids`` (Mooncake: a JSON list, one id per
+  `HASH_BLOCK_TOKENS`-token block of the prompt, equal ids for equal prefixes), which the
+  engines' prefix caches key their blocks by (absent = every prompt is fresh).
 
 Times become seconds from the first request; token counts are clamped to at least 1 (an engine
 needs one prompt token and generates at least one), except a pooling request's output, 0.
@@ -42,6 +45,10 @@ _OUTPUT_KEYS = ("generatedtokens", "output_length", "output_tokens", "completion
 _TENANT_KEYS = ("tenant", "client", "client_id", "user")
 _PRIORITY_KEYS = ("priority",)
 _ENDPOINT_KEYS = ("endpoint", "endpoint_class")
+_HASH_KEYS = ("hash_ids",)
+
+HASH_BLOCK_TOKENS = 512
+"""Tokens per `hash_ids` block (Mooncake's traces hash 512-token blocks)."""
 
 
 class TraceError(ValueError):
@@ -59,6 +66,8 @@ class TraceRequest:
     tenant: str | None = None
     priority: int = 0
     """vLLM's request priority (lower first), used by engines with the "priority" policy."""
+    hash_ids: tuple[int, ...] = ()
+    """Ids of the prompt's `HASH_BLOCK_TOKENS`-token blocks (equal ids, equal prefix)."""
     endpoint: EndpointClass = "chat"
     """The endpoint class: a pooling one (embeddings, rerank) has output_tokens 0."""
 
@@ -74,6 +83,7 @@ class _Columns:
     output: str
     tenant: str | None
     priority: str | None
+    hash_ids: str | None
     endpoint: str | None
     unit: Literal["s", "ms", "datetime"]
 
@@ -116,6 +126,7 @@ def _columns(keys: Iterable[str], sample: Mapping[str, Any], unit: TimeUnit, fil
         output_key,
         _find(keys, _TENANT_KEYS),
         _find(keys, _PRIORITY_KEYS),
+        _find(keys, _HASH_KEYS),
         _find(keys, _ENDPOINT_KEYS),
         kind,
     )
@@ -187,6 +198,7 @@ def read_trace(path: str | Path, *, time_unit: TimeUnit = "auto") -> list[TraceR
             output_tokens = 0 if pooling else int(float(row[columns.output]))
             priority_value = None if columns.priority is None else row.get(columns.priority)
             priority = 0 if priority_value in (None, "") else int(priority_value)
+            hash_ids = _hash_ids(None if columns.hash_ids is None else row.get(columns.hash_ids))
         except (KeyError, TypeError, ValueError) as exc:
             raise TraceError(f"{path}:{number}: cannot read the request: {exc}") from None
         tenant = None
@@ -194,10 +206,27 @@ def read_trace(path: str | Path, *, time_unit: TimeUnit = "auto") -> list[TraceR
             value = row.get(columns.tenant)
             tenant = None if value is None or value == "" else str(value)
         output = 0 if pooling else max(1, output_tokens)
-        raw.append(TraceRequest(at, max(1, input_tokens), output, tenant, priority, endpoint))
+        raw.append(
+            TraceRequest(
+                at, max(1, input_tokens), output, tenant, priority, hash_ids, endpoint=endpoint
+            )
+        )
     raw.sort(key=lambda request: request.at)
     start = raw[0].at
     return [replace(request, at=request.at - start) for request in raw]
+
+
+def _hash_ids(value: Any) -> tuple[int, ...]:
+    """A `hash_ids` cell: a JSON list of integers (a CSV cell holds it as JSON text)."""
+    if value is None or value == "":
+        return ()
+    if isinstance(value, str):
+        value = json.loads(value)
+    if not isinstance(value, list) or not all(
+        isinstance(v, int) and not isinstance(v, bool) for v in value
+    ):
+        raise ValueError("hash_ids must be a list of integers")
+    return tuple(value)
 
 
 def _endpoint(row: Mapping[str, Any], column: str | None, where: str) -> EndpointClass:
@@ -258,6 +287,8 @@ def write_trace(path: str | Path, requests: Iterable[TraceRequest]) -> None:
                 record["tenant"] = request.tenant
             if request.priority:
                 record["priority"] = request.priority
+            if request.hash_ids:
+                record["hash_ids"] = list(request.hash_ids)
             if request.endpoint != "chat":
                 record["endpoint"] = request.endpoint
             handle.write(json.dumps(record) + "\n")
