@@ -26,6 +26,9 @@ class Ticket:
     """Absolute clock time by which the request must be admitted, or None."""
     endpoint: EndpointClass = "chat"
     """The class of the endpoint called (extproc.endpoints): which limits apply."""
+    streamed: bool = True
+    """The response streams: its first token is seen when it is generated (prefill pacing and
+    the δ samples count only these; a non-streamed response shows it only at its end)."""
 
     def __post_init__(self) -> None:
         if self.input_tokens < 0 or self.max_output_tokens < 0:
@@ -52,12 +55,20 @@ class Lease:
     """After this the lease is reclaimed as if released (a lost release must not leak)."""
 
 
+ENGINE_PRIORITY_STRIDE = 2
+"""Engine priority values per tier: a light and a backlogged one."""
+
+
 @dataclass(frozen=True, slots=True)
 class Admission:
     ticket: Ticket
     lease: Lease
     wait_s: float
     ratelimit_headers: Mapping[str, str] = field(default_factory=dict)
+    engine_priority: int | None = None
+    """The `priority` to set in the forwarded body (vLLM: lower first), or None when the pool
+    has `engine_priority: false`: tier rank x `ENGINE_PRIORITY_STRIDE`, + 1 for a tenant
+    that was backlogged (beyond its fair share) when dispatched."""
 
 
 @dataclass(frozen=True, slots=True)

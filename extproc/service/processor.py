@@ -200,7 +200,7 @@ class AdmissionProcessor:
             tokens_per_minute = self.policy.tenants[state.tenant].limits.tokens_per_minute
             if tokens_per_minute is not None and state.budget > tokens_per_minute:
                 raise never_fits_rate_limit(state.tenant, state.budget, tokens_per_minute)
-            ticket = self._ticket(max_output)
+            ticket = self._ticket(max_output, request.stream)
         except GatewayError as error:
             yield self._reject(error)
             return
@@ -219,10 +219,11 @@ class AdmissionProcessor:
             self._turn = None
         state.outcome = Outcome.ADMITTED
         self.port.admitted(state)
-        yield self._forward(request)
+        yield self._forward(request, state.grant.engine_priority)
 
-    def _forward(self, request: InferenceRequest) -> ProcessingResponse:
-        """Let the request go upstream with the gateway's headers.
+    def _forward(self, request: InferenceRequest, priority: int | None) -> ProcessingResponse:
+        """Let the request go upstream with the gateway's headers, and with the engine
+        `priority` the scheduler chose, if any (it replaces the client's own).
 
         A streamed request without `stream_options.include_usage` gets it added: the engine
         then ends the stream with one usage chunk (`"choices": []`), which is the only exact
@@ -232,10 +233,14 @@ class AdmissionProcessor:
         the prompt tokens and merged or withheld tokens.
         """
         values, removed = self._upstream_headers()
-        if not request.stream or request.include_usage:
+        add_usage = request.stream and not request.include_usage
+        if not add_usage and priority is None:
             return responses.continue_request_body(values, removed, clear_route_cache=True)
-        options = request.body.get("stream_options") or {}
-        request.body["stream_options"] = {**options, "include_usage": True}
+        if add_usage:
+            options = request.body.get("stream_options") or {}
+            request.body["stream_options"] = {**options, "include_usage": True}
+        if priority is not None:
+            request.body["priority"] = priority
         body = orjson.dumps(request.body)
         # Envoy answers 500 if a body mutation leaves a stale content-length.
         values.append(("content-length", str(len(body))))
@@ -252,7 +257,7 @@ class AdmissionProcessor:
             # Admitted in the same instant the stream was cancelled: finish() releases it.
             self.state.grant = turn.result()
 
-    def _ticket(self, max_output: int) -> Ticket:
+    def _ticket(self, max_output: int, streamed: bool) -> Ticket:
         state = self.state
         assert state.tenant is not None and state.tier is not None and state.pool is not None
         tenant = self.policy.tenants[state.tenant]
@@ -272,6 +277,7 @@ class AdmissionProcessor:
             priority=priority,
             deadline=None if relative is None else self.port.now() + relative,
             endpoint=endpoint_class(state.path) or "chat",
+            streamed=streamed,
         )
 
     def on_response_headers(self, message: HttpHeaders) -> ProcessingResponse:
