@@ -75,14 +75,16 @@ def run_scenario(
     run_arm: Callable[[ArmT, EngineSet, Results], dict[str, Any]],
     conclude: Callable[[Results], Conclusion],
     figure: str,
+    engine_args: Sequence[str] = (),
 ) -> dict[str, Any]:
-    """One engine for `POOL`, every arm on it in turn (`run_arm` sees the results so far),
-    then the report (`settings` after the workload and timing) saved with the plot."""
+    """One engine for `POOL` (started with `engine_args`), every arm on it in turn (`run_arm`
+    sees the results so far), then the report (`settings` after the workload and timing)
+    saved with the plot."""
     began = time.perf_counter()
     results: Results = {}
     log(name, f"{len(arms)} arms, {timing.measure_s:.0f}s measured each; profile {profile}")
     tracker = Progress(name, len(arms), unit="arms")
-    with engine_set(workdir / "engines", {POOL: 1}, profile) as engines:
+    with engine_set(workdir / "engines", {POOL: 1}, profile, engine_args) as engines:
         for index, arm in enumerate(arms):
             tracker.phase(f"arm {arm.name}", done=index)
             token = CURRENT_ARM.set(ArmProgress(tracker, index))
