@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 
+from extproc.metrics import Metrics
 from extproc.policy import PolicyError, policy_from_text
 from extproc.scheduler import Admission, ManualClock, Scheduler, Ticket
 from extproc.scheduler.latency import COOLDOWN_S, DECREASE, DeltaController
@@ -143,3 +144,22 @@ pools:
     assert any(i.startswith("p.yaml:4: tier_options.standard.latency_delta") for i in issues), (
         issues
     )
+
+
+def test_delta_and_pacing_are_exported_as_metrics() -> None:
+    sched, clock = _scheduler()
+    _learn_alone(sched, clock)
+    for i in range(20):
+        assert sched.submit(Ticket(f"f{i}", "flood", "p", 100, 100)) is None
+    sched.dispatch()
+    quiet = _one(sched, "q", "quiet")
+    clock.advance(0.3)
+    sched.first_token(quiet.lease.lease_id)
+    metrics = Metrics()
+    metrics.refresh(sched.snapshot(), {"flood", "quiet", "solo"})
+    sample = metrics.registry.get_sample_value
+    labels = {"tenant": "quiet", "kind": "ttft"}
+    assert sample("extproc_tenant_latency_delta_seconds", labels) == pytest.approx(0.25)
+    assert sample("extproc_pool_delta_factor", {"pool": "p"}) == pytest.approx(DECREASE)
+    # the six flooder requests dispatched have not shown a first token: 600 prompt tokens
+    assert sample("extproc_pool_prefilling_tokens", {"pool": "p"}) == 600
