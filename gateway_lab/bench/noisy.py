@@ -22,7 +22,9 @@ FIFO they queue inside the engine). One emulated A100 / Llama-3.1-8B engine
 * paced: `full` with `prefill_budget_tokens: --prefill-budget` (backlogged tenants wait while
   that many prompt tokens await their first token);
 * delta-D: `paced` with the tier objective `latency_delta: D` (`--deltas`): the δ controller
-  scales the flooder's share of the pool and of the prefill budget.
+  scales the flooder's share of the pool and of the prefill budget. These arms begin with a
+  few quiet requests sent one at a time, before the measured run: the gateway learns what a
+  request gets alone only while the pool is nearly idle, which the flooder never allows.
 
 For each arm: the quiet tenant's P50/P99 time to the first streamed SSE data chunk and their
 ratio to "alone" on the same path, its P99 time per output token after the first (TPOT) and
@@ -56,6 +58,7 @@ from gateway_lab.bench.noisy_isolation import (
     Isolation,
     add_isolation_arguments,
     isolation_verdicts,
+    prime_alone,
     with_warmup,
 )
 from gateway_lab.bench.noisy_plot import TARGET_RATIO, TARGET_THROUGHPUT, plot
@@ -262,6 +265,8 @@ async def drive_arm(
             tiny = Spec("drain", KEYS["flooder"], prompt_text(8, random.Random(seed)), 8, 1)
             drained = await drain_bucket(load, lambda _i: tiny, arm.flooder_rpm)
             log(NAME, f"{arm.name}: emptied the flooder's bucket with {drained} tiny requests")
+        if arm.latency_delta is not None:
+            await prime_alone(load, quiet_maker(work, seed + 5))
         load.records.clear()
         load.sent.clear()
         load.t0 = time.perf_counter()

@@ -5,11 +5,13 @@ started for them, and their verdict against the isolation targets."""
 from __future__ import annotations
 
 import argparse
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, fields, replace
 from typing import Any, Protocol, TypeVar
 
+from gateway_lab.bench.loadgen import Load
 from gateway_lab.bench.noisy_plot import ISOLATION_TTFT_RATIO, TARGET_THROUGHPUT
+from gateway_lab.bench.records import Spec
 
 ISOLATION_TPOT_RATIO = 1.5
 """Issue 15's targets: quiet P99 TTFT <= 2.0x alone (ISOLATION_TTFT_RATIO) and P99
@@ -75,6 +77,18 @@ def add_isolation_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--arms", help="run only these arms, comma separated")
     parser.add_argument("--warmup", type=float, help="seconds of warm-up for every arm")
+
+
+ALONE_PRIMING = 6
+"""Quiet requests a delta arm sends one at a time first (the alone model needs 3)."""
+
+
+async def prime_alone(load: Load, make: Callable[[int], Spec]) -> None:
+    """Requests one at a time on the idle pool, so the gateway learns the alone latency."""
+    for index in range(ALONE_PRIMING):
+        record = await load.send(make(index))
+        if record.status != 200:
+            raise SystemExit(f"priming request {index} got {record.status}")
 
 
 def with_warmup(timing: TimingT, seconds: float) -> TimingT:

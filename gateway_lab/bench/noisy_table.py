@@ -5,8 +5,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, Protocol
 
-from gateway_lab.bench.noisy_isolation import ISOLATION_TPOT_RATIO, ISOLATION_TTFT_RATIO
-from gateway_lab.bench.noisy_plot import TARGET_RATIO, TARGET_THROUGHPUT
+from gateway_lab.bench.noisy_isolation import ISOLATION_TPOT_RATIO
+from gateway_lab.bench.noisy_plot import ISOLATION_TTFT_RATIO, TARGET_RATIO, TARGET_THROUGHPUT
 from gateway_lab.bench.stats import fmt
 
 
