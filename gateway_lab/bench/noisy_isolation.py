@@ -37,6 +37,8 @@ class Isolation:
     deltas: tuple[str, ...] = ("100ms", "300ms")
     arms: tuple[str, ...] = ()
     """Only these arms (empty: all)."""
+    prefill_threshold: int = 0
+    """The engine's --long-prefill-token-threshold (0: off)."""
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> Isolation:
@@ -45,10 +47,12 @@ class Isolation:
             budget=args.prefill_budget,
             deltas=tuple(d.strip() for d in args.deltas.split(",") if d.strip()),
             arms=tuple(a.strip() for a in (args.arms or "").split(",") if a.strip()),
+            prefill_threshold=args.engine_prefill_threshold,
         )
 
     def engine_args(self) -> list[str]:
-        return ["--scheduling-policy", self.engine_policy]
+        threshold = ["--long-prefill-token-threshold", str(self.prefill_threshold)]
+        return ["--scheduling-policy", self.engine_policy, *threshold]
 
     def select(self, arms: Sequence[ArmT]) -> list[ArmT]:
         if not self.arms:
@@ -75,6 +79,10 @@ def add_isolation_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--deltas", default="100ms,300ms", help="latency_delta objectives of the delta arms"
     )
+    parser.add_argument(
+        "--engine-prefill-threshold", type=int, default=0,
+        help="the engine's --long-prefill-token-threshold (default %(default)s: off)",
+    )  # fmt: skip
     parser.add_argument("--arms", help="run only these arms, comma separated")
     parser.add_argument("--warmup", type=float, help="seconds of warm-up for every arm")
 
