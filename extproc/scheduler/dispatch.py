@@ -39,13 +39,15 @@ class Dispatcher:
                     entry = self.choose(pool)
                     if entry is None:
                         break
-                    light = self.is_light(pool, entry.ticket.tenant)
+                    light = self.within_share(pool, entry.ticket.tenant)
                     admitted.append(admit(pool, entry, light))
                 while pool.waiting and not capacity.has_slot() and capacity.has_headroom():
                     entry = self.choose_headroom(pool)
                     if entry is None:
                         break
-                    admitted.append(admit(pool, entry, True))
+                    admitted.append(
+                        admit(pool, entry, self.within_share(pool, entry.ticket.tenant))
+                    )
             progressed = len(admitted) > before and len(live.pools) > 1
         return admitted
 
@@ -58,7 +60,7 @@ class Dispatcher:
         has been overtaken `max_bypass` times."""
         capacity = pool.capacity
         if self.backlog_paced(pool):
-            return self._choose_light(pool, capacity.fits)
+            return self._choose_light(pool, capacity.fits, self.within_share)
         held = pool.held
         if held is None and capacity.fits(pool.largest_queued_budget()):
             return self._choose_all_fit(pool)
@@ -132,12 +134,18 @@ class Dispatcher:
         """Above the soft limit, up to the hard one: the next request of a tenant below its
         fair share of the pool, in tier order, then fair-share order. A hold keeps lower
         tiers and the held tier's other tenants out; no bypass is counted here."""
-        return self._choose_light(pool, pool.capacity.fits_headroom)
+        return self._choose_light(pool, pool.capacity.fits_headroom, self.is_light)
 
-    def _choose_light(self, pool: PoolState, fits: Callable[[int], bool]) -> QueueEntry | None:
-        """The next request of a light tenant that `fits`, in tier then fair-share order."""
+    def _choose_light(
+        self,
+        pool: PoolState,
+        fits: Callable[[int], bool],
+        light: Callable[[PoolState, str], bool],
+    ) -> QueueEntry | None:
+        """The next request of a tenant `light` calls light that `fits`, in tier then
+        fair-share order."""
         held = pool.held
-        below = self.light_tenants(pool)
+        below = {name for name in pool.waiting if light(pool, name)}
         if not below:
             return None
         for band in pool.bands:
@@ -179,6 +187,27 @@ class Dispatcher:
         queued = 0 if queue is None else queue.tokens
         demand = pool.users.get(name, _NO_USAGE).tokens + queued
         return demand <= pool.capacity.inflight_tokens * spec.weight / total
+
+    def within_share(self, pool: PoolState, name: str) -> bool:
+        """Whether the tenant's whole demand in the pool is below its weighted share of the
+        pool's whole demand (admitted and queued work, every tenant's): the light test of
+        engine priority, prefill pacing and the δ controller. Unlike `is_light` it does not
+        shrink when the pool is throttled, so throttling the backlogged tenants never turns a
+        well-behaved tenant into one of them."""
+        policy = self._live.policy
+        spec = policy.tenant(name)
+        if spec is None:
+            return False
+        total = pool.weight_total(policy, self._weight_of)
+        if total <= 0:
+            return False
+        state = self._live.tenants.get(name)
+        queue = None if state is None else state.queues.get(pool.name)
+        queued = 0 if queue is None else queue.tokens
+        demand = pool.users.get(name, _NO_USAGE).tokens + queued
+        work = pool.capacity.inflight_tokens + pool.queued_tokens
+        # Strictly below: a tenant alone in the pool (all the demand is its own) is not light.
+        return demand < work * spec.weight / total
 
     def _weight_of(self, name: str) -> float | None:
         spec = self._live.policy.tenant(name)

@@ -47,6 +47,7 @@ class PoolState:
         "held",
         "name",
         "prefilling_tokens",
+        "queued_tokens",
         "retired",
         "users",
         "waiting",
@@ -74,6 +75,8 @@ class PoolState:
         """(active_changes, policy, summed weight of the active tenants) last computed."""
         self.prefilling_tokens = 0
         """Prompt tokens of admitted requests whose first token has not been seen yet."""
+        self.queued_tokens = 0
+        """Token budgets of the requests queued here."""
         self.alone = AloneModel()
         self.delta = DeltaController()
 
@@ -92,6 +95,7 @@ class PoolState:
         return total
 
     def budget_queued(self, budget: int) -> None:
+        self.queued_tokens += budget
         counts = self._budget_counts
         count = counts.get(budget, 0)
         counts[budget] = count + 1
@@ -102,6 +106,7 @@ class PoolState:
                 heapify(self._budget_heap)
 
     def budget_left(self, budget: int) -> None:
+        self.queued_tokens -= budget
         counts = self._budget_counts
         count = counts[budget] - 1
         if count:

@@ -8,7 +8,7 @@ import pytest
 from extproc.metrics import Metrics
 from extproc.policy import PolicyError, policy_from_text
 from extproc.scheduler import Admission, ManualClock, Scheduler, Ticket
-from extproc.scheduler.latency import COOLDOWN_S, DECREASE, DeltaController
+from extproc.scheduler.latency import COOLDOWN_S, DECREASE, MIN_FACTOR, DeltaController
 
 
 def _scheduler(objective: str = "100ms") -> tuple[Scheduler, ManualClock]:
@@ -163,3 +163,26 @@ def test_delta_and_pacing_are_exported_as_metrics() -> None:
     assert sample("extproc_pool_delta_factor", {"pool": "p"}) == pytest.approx(DECREASE)
     # the six flooder requests dispatched have not shown a first token: 600 prompt tokens
     assert sample("extproc_pool_prefilling_tokens", {"pool": "p"}) == 600
+
+
+def test_a_tightened_pool_keeps_the_quiet_tenant_light() -> None:
+    """Throttling the backlogged tenants shrinks the pool's admitted work; the quiet tenant's
+    share is of the whole demand, queued work included, so it stays light and is not held."""
+    sched, clock = _scheduler()
+    _learn_alone(sched, clock)
+    for i in range(40):
+        assert sched.submit(Ticket(f"f{i}", "flood", "p", 100, 100)) is None
+    flood = sched.dispatch()
+    for step in range(12):  # repeated violations, one cut per cooldown
+        quiet = _one(sched, f"q{step}", "quiet")
+        clock.advance(COOLDOWN_S)
+        sched.first_token(quiet.lease.lease_id)
+        sched.release(quiet.lease.lease_id)
+    assert sched.snapshot()["pools"]["p"]["delta_factor"] == pytest.approx(MIN_FACTOR)
+    for admission in flood:
+        sched.release(admission.lease.lease_id)
+    flood = sched.dispatch()
+    assert len(flood) == 1  # the flooder: one request at the floor
+    for i in range(3):
+        assert sched.submit(Ticket(f"quiet{i}", "quiet", "p", 100, 100)) is None
+    assert [a.ticket.tenant for a in sched.dispatch()] == ["quiet"] * 3
