@@ -29,6 +29,8 @@ class Grant:
     ratelimit_headers: dict[str, str]
     engine_priority: int | None = None
     """The `priority` for the forwarded body (Admission.engine_priority)."""
+    replica: int | None = None
+    """The pool endpoint the locality index chose (fairness dlpm); None: Envoy balances."""
 
 
 @dataclass
@@ -334,6 +336,7 @@ class AdmissionController:
                 wait_s=admission.wait_s,
                 ratelimit_headers=dict(admission.ratelimit_headers),
                 engine_priority=admission.engine_priority,
+                replica=admission.lease.replica,
             )
         )
 

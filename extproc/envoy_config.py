@@ -76,6 +76,8 @@ from extproc.envoy_routes import (
     ACCOUNTING_FILTER,
     ADMISSION_FILTER,
     local_replies,
+    pool_cluster,
+    replica_cluster,
     routes,
 )
 from extproc.policy import Policy
@@ -318,10 +320,17 @@ def build_bootstrap(policy: Policy, options: RenderOptions) -> Bootstrap:
     pool_endpoints = options.pool_endpoints or {}
     # Several ext_proc endpoints (workers on distinct ports) are comma-separated.
     clusters = [_cluster(EXTPROC_CLUSTER, options.extproc.split(","), http2=True)]
-    clusters += [
-        _cluster(f"pool_{name}", pool_endpoints.get(name, pool.endpoints), http2=False)
-        for name, pool in policy.pools.items()
-    ]
+    for name, pool in policy.pools.items():
+        endpoints = pool_endpoints.get(name, pool.endpoints)
+        clusters.append(_cluster(pool_cluster(name), endpoints, http2=False))
+        if len(pool.endpoints) > 1:
+            # One cluster per policy endpoint, for the routes on x-llm-replica (fairness
+            # dlpm), which name the endpoint by its index in the policy. An override with
+            # another count maps index i to its i-th address, cyclically.
+            clusters += [
+                _cluster(replica_cluster(name, i), [endpoints[i % len(endpoints)]], http2=False)
+                for i in range(len(pool.endpoints))
+            ]
     return Bootstrap(
         admin=Admin(address=_socket(options.admin)),
         static_resources=BootstrapStaticResources(listeners=[listener], clusters=clusters),

@@ -23,11 +23,13 @@ def snapshot(live: Live, now: float, reclaimed_leases: int) -> dict[str, Any]:
             "queued": state.queued if state else 0,
             "inflight": state.inflight if state else 0,
             "inflight_tokens": state.inflight_tokens if state else 0,
+            "inflight_by_endpoint": dict(state.inflight_by_class) if state else {},
             "served_requests": state.served_requests if state else 0,
             "served_tokens": state.served_tokens if state else 0,
         }
         if spec is not None:
             item["buckets"] = live.limiter.levels(name, spec, now)
+            item["bucket_limits"] = live.limiter.describe(name, spec)
             rank = live.rank(spec)
             item["fair_share"] = {
                 pool_name: pool.bands[rank].fair.level(name)
@@ -56,7 +58,7 @@ def snapshot(live: Live, now: float, reclaimed_leases: int) -> dict[str, Any]:
             "delta_violations": pool.delta.violations,
             "alone": pool.alone.describe(),
         }
-    return {
+    out: dict[str, Any] = {
         "tenants": tenants,
         "pools": pools,
         "queued": len(live.entries),
@@ -64,6 +66,9 @@ def snapshot(live: Live, now: float, reclaimed_leases: int) -> dict[str, Any]:
         "reclaimed_leases": reclaimed_leases,
         "fairness": policy.source.fairness.policy,
     }
+    if live.locality.enabled:
+        out["locality"] = live.locality.describe()
+    return out
 
 
 def _prefill_budget(live: Live, pool: str) -> int | None:

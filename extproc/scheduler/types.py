@@ -29,6 +29,9 @@ class Ticket:
     streamed: bool = True
     """The response streams: its first token is seen when it is generated (prefill pacing and
     the δ samples count only these; a non-streamed response shows it only at its end)."""
+    prefix_blocks: tuple[int, ...] = ()
+    """Chained names of the prompt's byte blocks (extproc.scheduler.locality), when the
+    policy's fairness is `dlpm`; empty otherwise."""
 
     def __post_init__(self) -> None:
         if self.input_tokens < 0 or self.max_output_tokens < 0:
@@ -53,6 +56,9 @@ class Lease:
     admitted_at: float
     expires_at: float
     """After this the lease is reclaimed as if released (a lost release must not leak)."""
+    replica: int | None = None
+    """The pool endpoint (index into its `endpoints`) the locality index chose; None: Envoy
+    balances the pool's endpoints."""
 
 
 ENGINE_PRIORITY_STRIDE = 2
