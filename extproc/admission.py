@@ -27,6 +27,8 @@ class Grant:
     pool: str
     wait_s: float
     ratelimit_headers: dict[str, str]
+    engine_priority: int | None = None
+    """The `priority` for the forwarded body (Admission.engine_priority)."""
     replica: int | None = None
     """The pool endpoint the locality index chose (fairness dlpm); None: Envoy balances."""
 
@@ -274,6 +276,12 @@ class AdmissionController:
         self.scheduler.charge_output(grant.lease_id, tokens)
         self.gate.charged(grant.lease_id, tokens)
 
+    def first_token(self, grant: Grant) -> None:
+        """The request's first token passed: its prompt is no longer being prefilled, which
+        may let a paced backlogged request go."""
+        if self.scheduler.first_token(grant.lease_id):
+            self.pump()
+
     def hand_off(self, grant: Grant, still_ours: Callable[[], bool]) -> bool:
         """The admission stream ended and no accounting stream of this process took the
         request over: True if released now (see `AdmissionGate.hand_off`)."""
@@ -327,6 +335,7 @@ class AdmissionController:
                 pool=admission.ticket.pool,
                 wait_s=admission.wait_s,
                 ratelimit_headers=dict(admission.ratelimit_headers),
+                engine_priority=admission.engine_priority,
                 replica=admission.lease.replica,
             )
         )

@@ -19,7 +19,12 @@ COMMAND_GROUP = "extproc.commands"
 
 def _policy_check(args: argparse.Namespace) -> int:
     from extproc.policy import PolicyError, load_policy
-    from extproc.policy.capacity import capacity_warnings, describe_endpoints, describe_pools
+    from extproc.policy.capacity import (
+        capacity_warnings,
+        describe_endpoints,
+        describe_isolation,
+        describe_pools,
+    )
     from extproc.policy.limits import describe_limits, limit_warnings
 
     failed = False
@@ -35,6 +40,7 @@ def _policy_check(args: argparse.Namespace) -> int:
         for line in [
             *describe_pools(policy.source),
             *describe_limits(policy.source),
+            *describe_isolation(policy.source),
             *describe_endpoints(policy.source),
         ]:
             print(f"  {line}")

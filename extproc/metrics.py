@@ -254,6 +254,22 @@ class Metrics:
             "extproc_pool_drain_rate", "Completions per second, decaying average", ["pool"],
             registry=r,
         )  # fmt: skip
+        self.latency_delta = Gauge(
+            "extproc_tenant_latency_delta_seconds",
+            "How much later than alone a tenant gets its tokens (mean; extproc.scheduler."
+            "latency): kind ttft (first token) or token (per-token gap)",
+            ["tenant", "kind"], registry=r,
+        )  # fmt: skip
+        self.pool_prefilling_tokens = Gauge(
+            "extproc_pool_prefilling_tokens",
+            "Prompt tokens admitted to a pool whose first token has not been seen", ["pool"],
+            registry=r,
+        )  # fmt: skip
+        self.pool_delta_factor = Gauge(
+            "extproc_pool_delta_factor",
+            "The δ controller's factor on the backlogged tenants' share of a pool (1: open)",
+            ["pool"], registry=r,
+        )  # fmt: skip
         self.locality_tokens = Gauge(
             "extproc_locality_prefix_tokens",
             "Prompt tokens per replica of a dlpm pool: the locality index's predicted hits and "
@@ -297,7 +313,7 @@ class Metrics:
         """
         per_tenant = (
             self.queued, self.tenant_inflight, self.tenant_inflight_tokens, self.bucket_level,
-            self.fair_share, self.served_tokens,
+            self.fair_share, self.served_tokens, self.latency_delta,
         )  # fmt: skip
         for gauge in per_tenant:
             gauge.clear()
@@ -314,10 +330,15 @@ class Metrics:
                 self.bucket_level.labels(tenant, str(bucket)).set(level)
             for pool, level in (state.get("fair_share") or {}).items():
                 self.fair_share.labels(tenant, str(pool)).set(level)
+            for kind, series in (state.get("latency_delta") or {}).items():
+                if series.get("mean_s") is not None:
+                    label = "token" if kind == "tokens" else kind
+                    self.latency_delta.labels(tenant, label).set(series["mean_s"])
         pools: Mapping[str, Any] = snapshot.get("pools", {})
         for gauge in (
             self.inflight, self.inflight_tokens, self.pool_queued, self.pool_max_inflight,
-            self.pool_max_inflight_tokens, self.pool_drain_rate,
+            self.pool_max_inflight_tokens, self.pool_drain_rate, self.pool_prefilling_tokens,
+            self.pool_delta_factor,
         ):  # fmt: skip
             gauge.clear()
         for name, pool in pools.items():
@@ -330,6 +351,8 @@ class Metrics:
                 self.pool_max_inflight_tokens.labels(name).set(pool["max_inflight_tokens"])
             if pool.get("drain_rate") is not None:
                 self.pool_drain_rate.labels(name).set(pool["drain_rate"])
+            self.pool_prefilling_tokens.labels(name).set(pool.get("prefilling_tokens", 0))
+            self.pool_delta_factor.labels(name).set(pool.get("delta_factor", 1.0))
         self._refresh_locality(snapshot.get("locality"))
         self._refresh_reclaimed(snapshot, pools)
 

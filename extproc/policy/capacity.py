@@ -87,6 +87,35 @@ def describe_endpoints(source: PolicyFile) -> list[str]:
     return lines
 
 
+def _prefill_origin(pool: Pool) -> str:
+    budget = pool.effective_prefill_budget
+    if budget == 0:
+        return "prefill pacing off"
+    origin = "default: max_total_tokens" if pool.prefill_budget_tokens is None else "set"
+    return f"prefill budget {budget} prompt tokens for backlogged tenants ({origin})"
+
+
+def describe_isolation(source: PolicyFile) -> list[str]:
+    """One line per pool on what reaches into the engines (engine priority, prefill pacing),
+    one per tier with a δ objective (extproc/scheduler/latency.py)."""
+    lines = []
+    for name, pool in source.pools.items():
+        priority = (
+            "engine priority on (body `priority` = tier rank x 2, + 1 when backlogged; "
+            "engines need --scheduling-policy priority)"
+            if pool.engine_priority
+            else "engine priority off"
+        )
+        lines.append(f"pool {name}: {priority}, {_prefill_origin(pool)}")
+    for tier, options in source.tier_options.items():
+        if options.latency_delta is not None:
+            lines.append(
+                f"tier {tier}: latency_delta {options.latency_delta * 1000:g} ms: a light "
+                "tenant's lag behind alone steers the backlogged tenants' share of its pools"
+            )
+    return lines
+
+
 def _locality_line(pool: Pool) -> str:
     origin = "set" if pool.replica_kv_tokens is not None else "max_inflight_tokens / endpoints"
     replicas = len(pool.endpoints)

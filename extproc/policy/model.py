@@ -84,6 +84,11 @@ class Tenant(StrictModel):
 
 class TierOptions(StrictModel):
     default_deadline: Duration | None = None
+    latency_delta: Annotated[Duration, Field(gt=0)] | None = None
+    """The δ objective: a light tenant of this tier gets each token at most this much later
+    than it would alone. When one does not, the pools it uses admit less of the backlogged
+    tenants' work (their share of the soft limit and the prefill budget); when there is slack,
+    more (extproc/scheduler/latency.py). Omitted: no objective."""
 
 
 class AdaptiveLimit(StrictModel):
@@ -144,6 +149,23 @@ class Pool(StrictModel):
     """Omitted: the soft limit follows the engines once they expose vLLM metrics, and stays
     static until then. A section (`{}` or tuned) starts at `initial_inflight` at once;
     `{enabled: false}`: static."""
+
+    engine_priority: bool = True
+    """Set the top-level `priority` of every forwarded request body (vLLM's
+    `--scheduling-policy priority`: lower first): a higher tier always lower, and a tenant
+    within its fair share ahead of a backlogged one. An engine on vLLM's default fcfs policy
+    ignores the field; false: the body keeps the client's own `priority`, if any."""
+    prefill_budget_tokens: NonNegativeInt | Literal[False] | None = None
+    """Prompt tokens admitted and not yet answered with a first token, per pool, above which
+    a backlogged tenant's next request waits (light tenants are not paced). Omitted:
+    max_total_tokens (one largest request); 0 or false: off."""
+
+    @property
+    def effective_prefill_budget(self) -> int:
+        """The prefill budget the pool runs with (0: no pacing)."""
+        if self.prefill_budget_tokens is None:
+            return self.max_total_tokens
+        return int(self.prefill_budget_tokens)
 
     @property
     def effective_headroom(self) -> int:

@@ -279,7 +279,9 @@ class Scheduler:
         if not self._live.entries:
             return []  # nothing queued anywhere
         now = self.clock.now()
-        return self._dispatcher.run(lambda pool, entry: self._leases.admit(pool, entry, now))
+        return self._dispatcher.run(
+            lambda pool, entry, light: self._leases.admit(pool, entry, now, light)
+        )
 
     # --- shared-state hooks ---------------------------------------------------------------------
 
@@ -397,7 +399,17 @@ class Scheduler:
         held = self._live.leases.get(lease_id)
         if held is None:
             return False
-        self._leases.charge_output(held, tokens)
+        self._leases.charge_output(held, tokens, self.clock.now())
+        return True
+
+    def first_token(self, lease_id: int) -> bool:
+        """The admitted request's first token (or first response byte) passed: its prompt is
+        no longer being prefilled (prefill pacing) and its TTFT is a δ sample. Idempotent;
+        a chunk of output tokens implies it. Call `dispatch()` afterwards."""
+        held = self._live.leases.get(lease_id)
+        if held is None:
+            return False
+        self._leases.first_token(held, self.clock.now())
         return True
 
     def release(

@@ -21,7 +21,7 @@ class Dispatcher:
         self._live = live
         self._max_bypass = max_bypass
 
-    def run(self, admit: Callable[[PoolState, QueueEntry], Admission]) -> list[Admission]:
+    def run(self, admit: Callable[[PoolState, QueueEntry, bool], Admission]) -> list[Admission]:
         """Admit every request that may go now, in order."""
         live = self._live
         admitted: list[Admission] = []
@@ -39,12 +39,15 @@ class Dispatcher:
                     entry = self.choose(pool)
                     if entry is None:
                         break
-                    admitted.append(admit(pool, entry))
+                    light = self.within_share(pool, entry.ticket.tenant)
+                    admitted.append(admit(pool, entry, light))
                 while pool.waiting and not capacity.has_slot() and capacity.has_headroom():
                     entry = self.choose_headroom(pool)
                     if entry is None:
                         break
-                    admitted.append(admit(pool, entry))
+                    admitted.append(
+                        admit(pool, entry, self.within_share(pool, entry.ticket.tenant))
+                    )
             progressed = len(admitted) > before and len(live.pools) > 1
         return admitted
 
@@ -56,6 +59,8 @@ class Dispatcher:
         that band's fair-share pick. Honours the pool's hold, and sets one when a blocked head
         has been overtaken `max_bypass` times."""
         capacity = pool.capacity
+        if self.backlog_paced(pool):
+            return self._choose_light(pool, capacity.fits, self.within_share)
         held = pool.held
         if held is None and capacity.fits(pool.largest_queued_budget()):
             return self._choose_all_fit(pool)
@@ -108,13 +113,39 @@ class Dispatcher:
                 return tenants[band.fair.pick_member(cost_of)].queues[name].head()
         return None
 
+    def backlog_paced(self, pool: PoolState) -> bool:
+        """Backlogged tenants wait now: the pool's prefilling prompt tokens reached its
+        prefill budget, or its in-flight requests the δ controller's share of the soft limit
+        (both scaled by the controller's factor; extproc.scheduler.latency)."""
+        spec = self._live.policy.pools.get(pool.name)
+        if spec is None:
+            return False
+        delta = pool.delta
+        budget = spec.effective_prefill_budget
+        if budget and pool.prefilling_tokens >= delta.limit(budget):
+            return True
+        if delta.factor < 1.0:
+            capacity = pool.capacity
+            soft = capacity.inflight + capacity.free_slots()
+            return capacity.inflight >= delta.limit(soft)
+        return False
+
     def choose_headroom(self, pool: PoolState) -> QueueEntry | None:
         """Above the soft limit, up to the hard one: the next request of a tenant below its
         fair share of the pool, in tier order, then fair-share order. A hold keeps lower
         tiers and the held tier's other tenants out; no bypass is counted here."""
-        capacity = pool.capacity
+        return self._choose_light(pool, pool.capacity.fits_headroom, self.is_light)
+
+    def _choose_light(
+        self,
+        pool: PoolState,
+        fits: Callable[[int], bool],
+        light: Callable[[PoolState, str], bool],
+    ) -> QueueEntry | None:
+        """The next request of a tenant `light` calls light that `fits`, in tier then
+        fair-share order."""
         held = pool.held
-        below = self.light_tenants(pool)
+        below = {name for name in pool.waiting if light(pool, name)}
         if not below:
             return None
         for band in pool.bands:
@@ -127,7 +158,7 @@ class Dispatcher:
                 ):
                     continue
                 head = self._head(name, pool)
-                if capacity.fits_headroom(head.ticket.budget):
+                if fits(head.ticket.budget):
                     candidates.append((name, self._live.fair_cost(head.ticket)))
             if candidates:
                 chosen = candidates[0][0] if len(candidates) == 1 else band.fair.pick(candidates)
@@ -139,27 +170,48 @@ class Dispatcher:
         is within their weighted share of the pool's admitted work: the tenants a max-min fair
         allocation serves in full. Shares are over the tenants active in the pool (queued or
         admitted), all tiers together. A backlogged heavy tenant is never light."""
+        return {name for name in pool.waiting if self.is_light(pool, name)}
+
+    def is_light(self, pool: PoolState, name: str) -> bool:
+        """Whether the tenant's whole demand in the pool is within its weighted share of the
+        pool's admitted work (see `light_tenants`)."""
         policy = self._live.policy
-        weights: dict[str, float] = {}
-        for name in (*pool.waiting, *pool.users):
-            spec = policy.tenant(name)
-            if spec is not None:
-                weights[name] = spec.weight
-        total = sum(weights.values())
+        spec = policy.tenant(name)
+        if spec is None:
+            return False
+        total = pool.weight_total(policy, self._weight_of)
         if total <= 0:
-            return set()
-        work = pool.capacity.inflight_tokens
-        users = pool.users
-        light: set[str] = set()
-        for name in pool.waiting:
-            weight = weights.get(name)
-            if weight is None:
-                continue
-            queued = self._live.tenants[name].queues[pool.name].tokens
-            demand = users.get(name, _NO_USAGE).tokens + queued
-            if demand <= work * weight / total:
-                light.add(name)
-        return light
+            return False
+        state = self._live.tenants.get(name)
+        queue = None if state is None else state.queues.get(pool.name)
+        queued = 0 if queue is None else queue.tokens
+        demand = pool.users.get(name, _NO_USAGE).tokens + queued
+        return demand <= pool.capacity.inflight_tokens * spec.weight / total
+
+    def within_share(self, pool: PoolState, name: str) -> bool:
+        """Whether the tenant's whole demand in the pool is below its weighted share of the
+        pool's whole demand (admitted and queued work, every tenant's): the light test of
+        engine priority, prefill pacing and the δ controller. Unlike `is_light` it does not
+        shrink when the pool is throttled, so throttling the backlogged tenants never turns a
+        well-behaved tenant into one of them."""
+        policy = self._live.policy
+        spec = policy.tenant(name)
+        if spec is None:
+            return False
+        total = pool.weight_total(policy, self._weight_of)
+        if total <= 0:
+            return False
+        state = self._live.tenants.get(name)
+        queue = None if state is None else state.queues.get(pool.name)
+        queued = 0 if queue is None else queue.tokens
+        demand = pool.users.get(name, _NO_USAGE).tokens + queued
+        work = pool.capacity.inflight_tokens + pool.queued_tokens
+        # Strictly below: a tenant alone in the pool (all the demand is its own) is not light.
+        return demand < work * spec.weight / total
+
+    def _weight_of(self, name: str) -> float | None:
+        spec = self._live.policy.tenant(name)
+        return None if spec is None else spec.weight
 
 
 def dispatchable_now(

@@ -4,10 +4,11 @@ real usage, and freeing the lease's capacity exactly once."""
 from __future__ import annotations
 
 from extproc.endpoints import EndpointClass
+from extproc.scheduler.latency import IDLE_INFLIGHT, LOW_BATCH
 from extproc.scheduler.live import Live, below_class_concurrency, below_concurrency
 from extproc.scheduler.pools import PoolState
 from extproc.scheduler.records import LeaseState, PoolUsage, QueueEntry
-from extproc.scheduler.types import Admission, Lease
+from extproc.scheduler.types import ENGINE_PRIORITY_STRIDE, Admission, Lease
 
 
 class Leases:
@@ -15,7 +16,8 @@ class Leases:
         self._live = live
         self._lease_seq = 0
 
-    def admit(self, pool: PoolState, entry: QueueEntry, now: float) -> Admission:
+    def admit(self, pool: PoolState, entry: QueueEntry, now: float, light: bool) -> Admission:
+        """Take the entry into a lease; `light`: its tenant was within its fair share."""
         live = self._live
         ticket = entry.ticket
         state = live.tenants[ticket.tenant]
@@ -29,10 +31,14 @@ class Leases:
         state.queued -= 1
         live.timers.entry_left(entry)
         budget = ticket.budget
+        idle = pool.prefilling_tokens == 0 and pool.capacity.inflight <= IDLE_INFLIGHT
         pool.capacity.acquire(budget)
+        prefilling = ticket.input_tokens if ticket.streamed else 0
+        pool.prefilling_tokens += prefilling
         used = pool.users.get(state.name)
         if used is None:
             used = pool.users[state.name] = PoolUsage()
+            pool.active_changes += 1
         used.requests += 1
         used.tokens += budget
         state.inflight += 1
@@ -55,7 +61,10 @@ class Leases:
             replica=replica,
         )
         reserved = ticket.max_output_tokens if live.reserve_output else 0
-        live.leases[lease.lease_id] = LeaseState(lease, ticket, reserved, cost, entry=entry)
+        live.leases[lease.lease_id] = LeaseState(
+            lease, ticket, reserved, cost, entry=entry, light=light,
+            prefilling=prefilling, alone_sample=idle and ticket.streamed,
+        )  # fmt: skip
         live.timers.lease_added(lease.expires_at, lease.lease_id)
         self._compact_timers()
         state.dispatches.record(now)
@@ -65,7 +74,11 @@ class Leases:
             live.sync(state, pool.name)
         else:
             live.sync_all(state)
-        return Admission(ticket, lease, now - entry.enqueued_at, entry.headers)
+        pool_spec = live.policy.pools.get(pool.name)
+        engine_priority = None
+        if pool_spec is not None and pool_spec.engine_priority:
+            engine_priority = live.rank(spec) * ENGINE_PRIORITY_STRIDE + (0 if light else 1)
+        return Admission(ticket, lease, now - entry.enqueued_at, entry.headers, engine_priority)
 
     def _compact_timers(self) -> None:
         """Drop timer entries of requests and leases that are gone, once they dominate."""
@@ -78,10 +91,67 @@ class Leases:
         if timers.entries_need_compaction(len(live.entries)):
             live.rebuild_entry_timers()
 
-    def charge_output(self, held: LeaseState, tokens: int) -> None:
+    def first_token(self, held: LeaseState, now: float) -> None:
+        """Its first token passed: its prompt is no longer being prefilled; its TTFT is a
+        δ sample (and an alone sample if the pool was nearly idle at its admission)."""
+        if held.first_token:
+            return
+        held.first_token = True
+        pool = self._live.pools.get(held.lease.pool)
+        if pool is None:
+            return
+        pool.prefilling_tokens -= held.prefilling
+        held.prefilling = 0
+        if not held.ticket.streamed:
+            return  # its first byte comes with its last token: no TTFT to learn from
+        ttft = now - self._submitted_at(held)
+        prompt = held.ticket.input_tokens
+        alone = pool.alone.ttft(prompt)  # before this sample teaches it
+        if alone is not None:
+            lag = ttft - alone
+            self._live.delta_of(held.lease.tenant).ttft.add(lag, now)
+            self._steer(pool, held, lag, now)
+        if held.alone_sample:
+            pool.alone.observe_ttft(prompt, ttft)
+
+    def _submitted_at(self, held: LeaseState) -> float:
+        entry = held.entry
+        return held.lease.admitted_at if entry is None else entry.enqueued_at
+
+    def _observe_chunk(self, held: LeaseState, tokens: int, now: float) -> None:
+        """A chunk of `tokens` output tokens arrived: the token δ, and the k-th token's lag."""
+        if not held.first_token:
+            self.first_token(held, now)
+        last, held.tokens_at = held.tokens_at, now
+        pool = self._live.pools.get(held.lease.pool)
+        if last is None or pool is None:
+            return  # the first chunk with tokens only starts the clock (its gap is the TTFT)
+        gap = (now - last) / tokens
+        alone = pool.alone
+        step = alone.step()  # before this sample teaches it
+        if pool.capacity.inflight <= LOW_BATCH:
+            alone.observe_step(gap)
+        if step is None:
+            return
+        self._live.delta_of(held.lease.tenant).tokens.add(gap - step, now)
+        first = alone.ttft(held.ticket.input_tokens)
+        if first is not None:
+            lag = now - self._submitted_at(held) - (first + (held.output_seen - 1) * step)
+            self._steer(pool, held, lag, now)
+
+    def _steer(self, pool: PoolState, held: LeaseState, lag: float, now: float) -> None:
+        """A light tenant's lag drives the pool's δ controller, against its tier's objective."""
+        if not held.light:
+            return
+        options = self._live.policy.source.tier_options.get(held.lease.tier)
+        if options is not None and options.latency_delta is not None:
+            pool.delta.observe(lag, options.latency_delta, now)
+
+    def charge_output(self, held: LeaseState, tokens: int, now: float) -> None:
         if tokens <= 0:
             return
         held.output_seen += tokens
+        self._observe_chunk(held, tokens, now)
         extra = held.output_seen - held.charged_output
         if extra > 0:
             held.charged_output = held.output_seen
@@ -158,6 +228,8 @@ class Leases:
         state.inflight_tokens -= lease.budget
         pool = live.pools[lease.pool]
         pool.capacity.release(lease.budget)
+        pool.prefilling_tokens -= held.prefilling
+        held.prefilling = 0
         live.locality.finished(lease.pool, lease.replica)
         used = pool.users.get(lease.tenant)
         if used is not None:
@@ -165,6 +237,7 @@ class Leases:
             used.tokens -= lease.budget
             if used.requests <= 0:
                 del pool.users[lease.tenant]
+                pool.active_changes += 1
         if pool.retired and pool.capacity.inflight == 0:
             del live.pools[lease.pool]
         if was_blocked:

@@ -10,6 +10,7 @@ from extproc.policy.model import Pool, Tenant
 from extproc.policy.runtime import Policy
 from extproc.scheduler.capacity import Capacity
 from extproc.scheduler.fairness import LocalityAware
+from extproc.scheduler.latency import TenantDelta
 from extproc.scheduler.limits import LimitStore
 from extproc.scheduler.locality import LocalityIndex
 from extproc.scheduler.pools import Band, PoolState, new_bands
@@ -46,6 +47,8 @@ class Live:
         self.entries: dict[str, QueueEntry] = {}
         self.leases: dict[int, LeaseState] = {}
         self.parked: set[tuple[str, str]] = set()
+        self.deltas: dict[str, TenantDelta] = {}
+        """Tenant -> how much later than alone it gets its tokens (extproc.scheduler.latency)."""
         self.membership_version = 0
         """Bumped whenever a tenant starts or stops competing for a pool."""
         self.locality = LocalityIndex(policy)
@@ -86,6 +89,12 @@ class Live:
 
     # --- lookups --------------------------------------------------------------------------------
 
+    def delta_of(self, tenant: str) -> TenantDelta:
+        found = self.deltas.get(tenant)
+        if found is None:
+            found = self.deltas[tenant] = TenantDelta()
+        return found
+
     def rank(self, spec: Tenant) -> int:
         return self.policy.tier_rank[spec.tier]
 
@@ -112,9 +121,11 @@ class Live:
         live = queue is not None and queue.live > 0
         if pool is not None:
             if live:
-                pool.waiting[state.name] = None
-            else:
-                pool.waiting.pop(state.name, None)
+                if state.name not in pool.waiting:
+                    pool.waiting[state.name] = None
+                    pool.active_changes += 1
+            elif pool.waiting.pop(state.name, 0) is None:
+                pool.active_changes += 1
         want: Band | None = None
         spec = self.policy.tenant(state.name)
         if (

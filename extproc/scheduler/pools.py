@@ -3,11 +3,13 @@ its drain rate, and who waits for it or uses it."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from heapq import heapify, heappop, heappush
 
 from extproc.policy.model import Fairness
 from extproc.scheduler.capacity import Capacity
 from extproc.scheduler.fairness import FairnessPolicy, fairness_from_settings
+from extproc.scheduler.latency import AloneModel, DeltaController
 from extproc.scheduler.rates import DecayingRate
 from extproc.scheduler.records import Hold, PoolUsage
 
@@ -35,11 +37,17 @@ class PoolState:
     __slots__ = (
         "_budget_counts",
         "_budget_heap",
+        "_weight_total",
+        "active_changes",
+        "alone",
         "bands",
         "capacity",
+        "delta",
         "drain",
         "held",
         "name",
+        "prefilling_tokens",
+        "queued_tokens",
         "retired",
         "users",
         "waiting",
@@ -61,8 +69,33 @@ class PoolState:
         self._budget_heap: list[int] = []
         """Negated budgets, a max-heap over `_budget_counts` (lazy deletion). Plain ints, no
         references to entries: the collector has nothing to walk here."""
+        self.active_changes = 0
+        """Bumped whenever a tenant joins or leaves `waiting` or `users` (the active set)."""
+        self._weight_total: tuple[int, object, float] | None = None
+        """(active_changes, policy, summed weight of the active tenants) last computed."""
+        self.prefilling_tokens = 0
+        """Prompt tokens of admitted requests whose first token has not been seen yet."""
+        self.queued_tokens = 0
+        """Token budgets of the requests queued here."""
+        self.alone = AloneModel()
+        self.delta = DeltaController()
+
+    def weight_total(self, policy: object, weight_of: Callable[[str], float | None]) -> float:
+        """The summed weights of the tenants active in the pool (queued or admitted), cached
+        until the active set or the policy changes: a light test is O(1) per dispatch."""
+        cached = self._weight_total
+        if cached is not None and cached[0] == self.active_changes and cached[1] is policy:
+            return cached[2]
+        total = 0.0
+        for name in dict.fromkeys((*self.waiting, *self.users)):
+            weight = weight_of(name)
+            if weight is not None:
+                total += weight
+        self._weight_total = (self.active_changes, policy, total)
+        return total
 
     def budget_queued(self, budget: int) -> None:
+        self.queued_tokens += budget
         counts = self._budget_counts
         count = counts.get(budget, 0)
         counts[budget] = count + 1
@@ -73,6 +106,7 @@ class PoolState:
                 heapify(self._budget_heap)
 
     def budget_left(self, budget: int) -> None:
+        self.queued_tokens -= budget
         counts = self._budget_counts
         count = counts[budget] - 1
         if count:

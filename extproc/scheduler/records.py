@@ -54,3 +54,13 @@ class LeaseState:
     output_seen: int = 0
     entry: QueueEntry | None = None
     """The queue entry it came from, kept so that `requeue` can put it back."""
+    light: bool = False
+    """Its tenant was within its fair share of the pool when it was dispatched."""
+    prefilling: int = 0
+    """Its prompt tokens in the pool's prefilling sum, until its first token (then 0)."""
+    alone_sample: bool = False
+    """Admitted while the pool was nearly idle: its first token teaches the alone model."""
+    first_token: bool = False
+    """Its first token has been seen (`Scheduler.first_token`)."""
+    tokens_at: float | None = None
+    """When its latest chunk carrying output tokens arrived (None before the first)."""

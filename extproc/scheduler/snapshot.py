@@ -36,6 +36,8 @@ def snapshot(live: Live, now: float, reclaimed_leases: int) -> dict[str, Any]:
                 for pool_name, pool in live.pools.items()
             }
             item["backlogged_pools"] = sorted(state.bands) if state else []
+        delta = live.deltas.get(name)
+        item["latency_delta"] = None if delta is None else delta.describe(now)
         tenants[name] = item
     pools: dict[str, Any] = {}
     for name, pool in live.pools.items():
@@ -50,6 +52,11 @@ def snapshot(live: Live, now: float, reclaimed_leases: int) -> dict[str, Any]:
             if held is None
             else {"tier": pool.bands[held.rank].tier, "tenant": held.tenant},
             "retired": pool.retired,
+            "prefilling_tokens": pool.prefilling_tokens,
+            "prefill_budget_tokens": _prefill_budget(live, name),
+            "delta_factor": pool.delta.factor,
+            "delta_violations": pool.delta.violations,
+            "alone": pool.alone.describe(),
         }
     out: dict[str, Any] = {
         "tenants": tenants,
@@ -62,3 +69,10 @@ def snapshot(live: Live, now: float, reclaimed_leases: int) -> dict[str, Any]:
     if live.locality.enabled:
         out["locality"] = live.locality.describe()
     return out
+
+
+def _prefill_budget(live: Live, pool: str) -> int | None:
+    """The budget backlogged tenants are paced to now (the δ factor applied); None: off."""
+    spec = live.policy.pools.get(pool)
+    budget = 0 if spec is None else spec.effective_prefill_budget
+    return live.pools[pool].delta.limit(budget) if budget else None

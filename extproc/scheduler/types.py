@@ -26,6 +26,9 @@ class Ticket:
     """Absolute clock time by which the request must be admitted, or None."""
     endpoint: EndpointClass = "chat"
     """The class of the endpoint called (extproc.endpoints): which limits apply."""
+    streamed: bool = True
+    """The response streams: its first token is seen when it is generated (prefill pacing and
+    the δ samples count only these; a non-streamed response shows it only at its end)."""
     prefix_blocks: tuple[int, ...] = ()
     """Chained names of the prompt's byte blocks (extproc.scheduler.locality), when the
     policy's fairness is `dlpm`; empty otherwise."""
@@ -58,12 +61,20 @@ class Lease:
     balances the pool's endpoints."""
 
 
+ENGINE_PRIORITY_STRIDE = 2
+"""Engine priority values per tier: a light and a backlogged one."""
+
+
 @dataclass(frozen=True, slots=True)
 class Admission:
     ticket: Ticket
     lease: Lease
     wait_s: float
     ratelimit_headers: Mapping[str, str] = field(default_factory=dict)
+    engine_priority: int | None = None
+    """The `priority` to set in the forwarded body (vLLM: lower first), or None when the pool
+    has `engine_priority: false`: tier rank x `ENGINE_PRIORITY_STRIDE`, + 1 for a tenant
+    that was backlogged (beyond its fair share) when dispatched."""
 
 
 @dataclass(frozen=True, slots=True)

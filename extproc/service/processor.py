@@ -203,7 +203,7 @@ class AdmissionProcessor:
             longest = request.longest_input
             sequence = state.budget if longest is None else self.port.estimate_prompt(longest)
             state.pool = choose_pool(self.policy, sequence, request.endpoint)
-            ticket = self._ticket(request.endpoint, max_output)
+            ticket = self._ticket(request.endpoint, max_output, request.stream)
             exceeded = capacity_exceeded(ticket, self.policy.tenants[state.tenant].limits)
             if exceeded is not None:
                 raise never_fits_rate_limit(state.tenant, state.budget, *exceeded)
@@ -225,7 +225,7 @@ class AdmissionProcessor:
             self._turn = None
         state.outcome = Outcome.ADMITTED
         self.port.admitted(state)
-        yield self._forward(request)
+        yield self._forward(request, state.grant.engine_priority)
 
     def _max_output(self, request: InferenceRequest) -> int:
         """The output tokens reserved: none for a pooling request (embeddings, rerank), so
@@ -234,8 +234,10 @@ class AdmissionProcessor:
             return 0
         return request.max_tokens or self.policy.source.gateway.default_max_tokens
 
-    def _forward(self, request: InferenceRequest) -> ProcessingResponse:
-        """Let the request go upstream with the gateway's headers.
+    def _forward(self, request: InferenceRequest, priority: int | None) -> ProcessingResponse:
+        """Let the request go upstream with the gateway's headers, and with the engine
+        `priority` the scheduler chose, if any (it replaces the client's own); a pooling
+        call to a pool with `pooling_priority` carries that one instead.
 
         A streamed request without `stream_options.include_usage` gets it added: the engine
         then ends the stream with one usage chunk (`"choices": []`), which is the only exact
@@ -244,20 +246,21 @@ class AdmissionProcessor:
         OpenAI streaming format and OpenAI SDKs accept it. Counting deltas instead would miss
         the prompt tokens and merged or withheld tokens. A pooling request is never streamed
         (its parse says so): its JSON response carries usage; its body changes only to carry
-        the pool's `pooling_priority`, the engine priority that puts a batch behind chat.
+        its engine priority (the pool's `pooling_priority`, which puts a batch behind chat).
         """
         values, removed = self._upstream_headers()
         if request.endpoint in POOLING_CLASSES:
             assert self.state.pool is not None
-            priority = self.policy.pools[self.state.pool].pooling_priority
-            if priority is None or request.body.get("priority") == priority:
-                return responses.continue_request_body(values, removed, clear_route_cache=True)
-            request.body["priority"] = priority
-        elif not request.stream or request.include_usage:
+            pooling = self.policy.pools[self.state.pool].pooling_priority
+            priority = priority if pooling is None else pooling
+        add_usage = request.stream and not request.include_usage
+        if not add_usage and priority is None:
             return responses.continue_request_body(values, removed, clear_route_cache=True)
-        else:
+        if add_usage:
             options = request.body.get("stream_options") or {}
             request.body["stream_options"] = {**options, "include_usage": True}
+        if priority is not None:
+            request.body["priority"] = priority
         body = orjson.dumps(request.body)
         # Envoy answers 500 if a body mutation leaves a stale content-length.
         values.append(("content-length", str(len(body))))
@@ -274,7 +277,7 @@ class AdmissionProcessor:
             # Admitted in the same instant the stream was cancelled: finish() releases it.
             self.state.grant = turn.result()
 
-    def _ticket(self, endpoint: EndpointClass, max_output: int) -> Ticket:
+    def _ticket(self, endpoint: EndpointClass, max_output: int, streamed: bool) -> Ticket:
         state = self.state
         assert state.tenant is not None and state.tier is not None and state.pool is not None
         tenant = self.policy.tenants[state.tenant]
@@ -294,6 +297,7 @@ class AdmissionProcessor:
             priority=priority,
             deadline=None if relative is None else self.port.now() + relative,
             endpoint=endpoint,
+            streamed=streamed,
             prefix_blocks=self._prefix_blocks(),
         )
 

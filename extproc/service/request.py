@@ -333,6 +333,8 @@ class LocalLease:
         if request.tenant is not None and request.pool is not None:
             metrics = self._settlement.metrics
             metrics.ttft_of(request.tenant, request.pool).observe(at - request.started)
+        if request.grant is not None and not request.released:
+            self._settlement.admission.first_token(request.grant)
 
     def charge_output(self, tokens: int) -> None:
         # Called once per chunk that carries output tokens (tokens > 0).

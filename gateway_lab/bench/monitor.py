@@ -106,6 +106,8 @@ class Monitor:
             "limit": {name: p.get("max_inflight") for name, p in pools.items()},
             "inflight": {name: p.get("inflight") for name, p in pools.items()},
             "queued": {name: p.get("queued") for name, p in pools.items()},
+            "delta_factor": {name: p.get("delta_factor") for name, p in pools.items()},
+            "prefilling": {name: p.get("prefilling_tokens") for name, p in pools.items()},
         }
 
 

@@ -15,10 +15,20 @@ FIFO they queue inside the engine). One emulated A100 / Llama-3.1-8B engine
   tenants below their fair share;
 * plain: a plain policy, the pool with `max_inflight` (the engine's 256 sequences) and nothing
   else: the defaults (headroom sized from the pool, adaptive soft limit) against `full`'s tuning;
-* soft-N: the same with a fixed soft limit N (and the same headroom): the trade-off curve.
+* soft-N: the same with a fixed soft limit N (and the same headroom): the trade-off curve;
+* full-nopri: `full` with `engine_priority: false` (the engine's own order is arrival order);
+  `full` itself runs the default, engine priority on (the engine is started with vLLM's
+  `--scheduling-policy priority`, `--engine-policy`);
+* paced: `full` with `prefill_budget_tokens: --prefill-budget` (backlogged tenants wait while
+  that many prompt tokens await their first token);
+* delta-D: `paced` with the tier objective `latency_delta: D` (`--deltas`): the δ controller
+  scales the flooder's share of the pool and of the prefill budget. These arms begin with a
+  few quiet requests sent one at a time, before the measured run: the gateway learns what a
+  request gets alone only while the pool is nearly idle, which the flooder never allows.
 
 For each arm: the quiet tenant's P50/P99 time to the first streamed SSE data chunk and their
-ratio to "alone" on the same path, the flooder's and the total output tokens/s and the total
+ratio to "alone" on the same path, its P99 time per output token after the first (TPOT) and
+that ratio, the flooder's and the total output tokens/s and the total
 against FIFO. The target (docs/benchmarks.md) is a full-policy P99 ratio <= 1.10 with a total
 throughput >= 95% of FIFO.
 
@@ -43,10 +53,19 @@ from gateway_lab.bench import scenario
 from gateway_lab.bench.capacity import CapacityConfig
 from gateway_lab.bench.loadgen import Load
 from gateway_lab.bench.monitor import Monitor, log
+from gateway_lab.bench.noisy_isolation import (
+    DEFAULT_ISOLATION,
+    Isolation,
+    add_isolation_arguments,
+    isolation_verdicts,
+    prime_alone,
+    with_warmup,
+)
 from gateway_lab.bench.noisy_plot import TARGET_RATIO, TARGET_THROUGHPUT, plot
+from gateway_lab.bench.noisy_table import print_table
 from gateway_lab.bench.records import RECORD_COLUMNS, Meter, Spec, prompt_text
 from gateway_lab.bench.stack import PROFILE, EngineSet, Gateway
-from gateway_lab.bench.stats import fmt, status_counts, ttft_stats, within
+from gateway_lab.bench.stats import fmt, status_counts, tpot_stats, ttft_stats, within
 
 NAME = "noisy-neighbour"
 DEFAULT_OUT = Path("results/noisy-neighbour")
@@ -100,6 +119,11 @@ class Arm:
     capacity: CapacityConfig = field(default_factory=CapacityConfig)
     flooder_rpm: int | None = None
     soft_limit: int | None = None
+    engine_priority: bool = True
+    prefill_budget: int | None = None
+    """prefill_budget_tokens for the pool (None: the default)."""
+    latency_delta: str | None = None
+    """The tier's latency_delta objective (None: none)."""
 
     @property
     def reference(self) -> str:
@@ -121,10 +145,17 @@ def policy_text(endpoint: str, arm: Arm) -> str:
     # Every arm but `plain` says what capacity it runs (its CapacityConfig overrides these):
     # the pool defaults would otherwise add headroom and an adaptive limit to all of them.
     pinned = "" if arm.kind == "plain" else ",\n          headroom: 0, adaptive: {enabled: false}"
+    if not arm.engine_priority:
+        pinned += ", engine_priority: false"
+    if arm.prefill_budget is not None:
+        pinned += f", prefill_budget_tokens: {arm.prefill_budget}"
+    objective = ""
+    if arm.latency_delta is not None:
+        objective = f"tier_options: {{standard: {{latency_delta: {arm.latency_delta}}}}}\n"
     return f"""\
 version: 1
 tiers: [premium, standard]
-tenants:
+{objective}tenants:
   quiet:
     tier: standard
     api_keys: ["{hash_key(KEYS["quiet"])}"]
@@ -158,15 +189,38 @@ def adaptive_capacity(headroom: int) -> CapacityConfig:
     return CapacityConfig(adaptive={scenario.POOL: settings})
 
 
-def plan_arms(timing: Timing, sweep: list[int], headroom: int) -> list[Arm]:
+def plan_arms(
+    timing: Timing,
+    sweep: list[int],
+    headroom: int,
+    prefill_budget: int = 4096,
+    deltas: tuple[str, ...] = ("100ms", "300ms"),
+) -> list[Arm]:
     full = adaptive_capacity(headroom)
+    warm = timing.warmup_full_s
     arms = [
         Arm("alone-direct", "direct", False, timing.warmup_alone_s, "alone"),
         Arm("alone-service", "service", False, timing.warmup_alone_s, "alone", 512, full),
         Arm("fifo", "direct", True, timing.warmup_fifo_s, "fifo"),
         Arm("token-bucket", "service", True, timing.warmup_bucket_s, "bucket"),
-        Arm("full", "service", True, timing.warmup_full_s, "full", 512, full),
-        Arm("plain", "service", True, timing.warmup_full_s, "plain", PLAIN_MAX_INFLIGHT),
+        Arm("full-nopri", "service", True, warm, "full", 512, full, engine_priority=False),
+        Arm("full", "service", True, warm, "full", 512, full),
+        Arm("paced", "service", True, warm, "paced", 512, full, prefill_budget=prefill_budget),
+        *(
+            Arm(
+                f"delta-{d}",
+                "service",
+                True,
+                warm,
+                "delta",
+                512,
+                full,
+                prefill_budget=prefill_budget,
+                latency_delta=d,
+            )
+            for d in deltas
+        ),
+        Arm("plain", "service", True, warm, "plain", PLAIN_MAX_INFLIGHT),
     ]
     for soft in sweep:
         arms.append(
@@ -211,6 +265,8 @@ async def drive_arm(
             tiny = Spec("drain", KEYS["flooder"], prompt_text(8, random.Random(seed)), 8, 1)
             drained = await drain_bucket(load, lambda _i: tiny, arm.flooder_rpm)
             log(NAME, f"{arm.name}: emptied the flooder's bucket with {drained} tiny requests")
+        if arm.latency_delta is not None:
+            await prime_alone(load, quiet_maker(work, seed + 5))
         load.records.clear()
         load.sent.clear()
         load.t0 = time.perf_counter()
@@ -243,9 +299,19 @@ def summarize_arm(
         for s in window
         if s.get("limit", {}).get(scenario.POOL) is not None
     ]
+    factors = [
+        s["delta_factor"][scenario.POOL]
+        for s in window
+        if (s.get("delta_factor") or {}).get(scenario.POOL) is not None
+    ]
     return {
         "arm": arm.name,
         "kind": arm.kind,
+        "engine_priority": arm.engine_priority,
+        "prefill_budget": arm.prefill_budget,
+        "latency_delta": arm.latency_delta,
+        "quiet_tpot": tpot_stats(quiet),
+        "delta_factor_mean": sum(factors) / len(factors) if factors else None,
         "path": arm.path,
         "reference": arm.reference,
         "soft_limit": arm.soft_limit,
@@ -298,7 +364,10 @@ def compare(results: dict[str, dict[str, Any]]) -> dict[str, Any]:
         reference = results.get(result["reference"])
         ref_p50 = reference["quiet"]["p50_ms"] if reference else math.nan
         ref_p99 = reference["quiet"]["p99_ms"] if reference else math.nan
+        ref_tpot = reference["quiet_tpot"]["p99_ms"] if reference else math.nan
         rows[name] = {
+            "quiet_tpot_p99_ms": result["quiet_tpot"]["p99_ms"],
+            "tpot_p99_ratio": result["quiet_tpot"]["p99_ms"] / ref_tpot,
             "quiet_p50_ms": result["quiet"]["p50_ms"],
             "quiet_p99_ms": result["quiet"]["p99_ms"],
             "p50_ratio": result["quiet"]["p50_ms"] / ref_p50,
@@ -308,7 +377,7 @@ def compare(results: dict[str, dict[str, Any]]) -> dict[str, Any]:
             "total_tok_s": result["total_tok_s"],
             "throughput_vs_fifo": result["total_tok_s"] / fifo_tps,
         }
-    kinds = ("full", "plain", "soft", "bucket")
+    kinds = ("full", "plain", "soft", "bucket", "paced", "delta")
     contenders = {n: r for n, r in rows.items() if results[n]["kind"] in kinds}
     at_target = {
         n: r for n, r in contenders.items() if r["throughput_vs_fifo"] >= TARGET_THROUGHPUT
@@ -345,56 +414,8 @@ def compare(results: dict[str, dict[str, Any]]) -> dict[str, Any]:
         },
         "best_at_95pct_throughput": best(at_target),
         "best_ratio_overall": best(contenders),
+        "isolation_target": isolation_verdicts(rows, contenders),
     }
-
-
-def print_table(summary: dict[str, Any], arms: list[Arm]) -> None:
-    rows = summary["rows"]
-    print(
-        f"\n{'arm':14} {'quiet p50':>10} {'quiet p99':>10} {'p50 x':>6} {'p99 x':>7} "
-        f"{'flooder tok/s':>13} {'total tok/s':>11} {'vs FIFO':>7}"
-    )
-    for arm in arms:
-        row = rows.get(arm.name)
-        if row is None:
-            continue
-        print(
-            f"{arm.name:14} {fmt(row['quiet_p50_ms']):>8}ms {fmt(row['quiet_p99_ms']):>8}ms "
-            f"{fmt(row['p50_ratio'], 2):>6} {fmt(row['p99_ratio'], 2):>7} "
-            f"{fmt(row['flooder_tok_s'], 0):>13} {fmt(row['total_tok_s'], 0):>11} "
-            f"{fmt(row['throughput_vs_fifo'] * 100, 0):>6}%"
-        )
-    target = summary["target"]
-    full = rows.get("full")
-    if full is not None:
-        verdict = "met" if target["full_policy_met"] else "NOT met"
-        print(
-            f"\ntarget: full-policy quiet P99 <= {TARGET_RATIO:.2f}x alone with total >= "
-            f"{TARGET_THROUGHPUT:.0%} of FIFO: {verdict} "
-            f"(P99 {full['p99_ratio']:.2f}x, throughput {full['throughput_vs_fifo']:.0%})"
-        )
-    plain = rows.get("plain")
-    if full is not None and plain is not None:
-        verdict = "met" if target["plain_policy_met"] else "NOT met"
-        print(
-            f"target: plain-policy quiet P99 ratio <= {PLAIN_RATIO_OF_FULL:.2f}x full's with "
-            f"total >= {PLAIN_THROUGHPUT_OF_FULL:.0%} of full's: {verdict} "
-            f"(P99 ratio {plain['p99_ratio'] / full['p99_ratio']:.2f}x full's, "
-            f"throughput {plain['total_tok_s'] / full['total_tok_s']:.0%} of full's)"
-        )
-    for label, key in (
-        ("best P99 ratio at >= 95% of FIFO", "best_at_95pct_throughput"),
-        ("best P99 ratio at any throughput", "best_ratio_overall"),
-    ):
-        name = summary.get(key)
-        if name:
-            row = rows[name]
-            print(
-                f"{label}: {name} ({row['p99_ratio']:.2f}x, "
-                f"{row['throughput_vs_fifo']:.0%} of FIFO)"
-            )
-        else:
-            print(f"{label}: none")
 
 
 def run(
@@ -408,8 +429,10 @@ def run(
     bucket_fraction: float = 0.5,
     seed: int = 7,
     profile: str = PROFILE,
+    isolation: Isolation = DEFAULT_ISOLATION,
 ) -> dict[str, Any]:
-    arms = plan_arms(timing, sweep, headroom)
+    planned = plan_arms(timing, sweep, headroom, isolation.budget, isolation.deltas)
+    arms = isolation.select(planned)
 
     def run_one(arm: Arm, engines: EngineSet, results: scenario.Results) -> dict[str, Any]:
         if arm.kind == "bucket":
@@ -429,10 +452,14 @@ def run(
             lambda: print_table(summary, arms),
         )
 
-    settings = {"headroom": headroom, "bucket_fraction": bucket_fraction, "sweep": sweep}
+    settings = {
+        "headroom": headroom, "bucket_fraction": bucket_fraction, "sweep": sweep,
+        "isolation": isolation.__dict__,
+    }  # fmt: skip
     return scenario.run_scenario(
         NAME, out, workdir, profile=profile, work=work, timing=timing, settings=settings,
         arms=arms, run_arm=run_one, conclude=conclude, figure="noisy-neighbour.png",
+        engine_args=isolation.engine_args(),
     )  # fmt: skip
 
 
@@ -448,6 +475,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--flood-prompt", type=int, help="flooder mean prompt tokens (1024)")
     parser.add_argument("--flood-output", type=int, help="flooder mean output tokens (256)")
     parser.add_argument("--seed", type=int, default=7)
+    add_isolation_arguments(parser)
 
 
 def main(args: argparse.Namespace) -> int:
@@ -460,6 +488,8 @@ def main(args: argparse.Namespace) -> int:
     }
     work = replace(work, **{k: v for k, v in changes.items() if v is not None})
     timing = scenario.chosen_timing(args, Timing(), Timing.quick())
+    if args.warmup is not None:
+        timing = with_warmup(timing, args.warmup)
     if args.sweep:
         sweep = [int(x) for x in args.sweep.split(",") if x.strip()]
     else:
@@ -467,6 +497,7 @@ def main(args: argparse.Namespace) -> int:
     run(
         args.out, scenario.workdir_of(args), work, timing, sweep,
         headroom=args.headroom, bucket_fraction=args.bucket_fraction, seed=args.seed,
+        isolation=Isolation.from_args(args),
     )  # fmt: skip
     return 0
 

@@ -77,9 +77,9 @@ def run_scenario(
     figure: str,
     engine_args: Sequence[str] = (),
 ) -> dict[str, Any]:
-    """One engine for `POOL` (`engine_args`: its command-line flags), every arm on it in turn
-    (`run_arm` sees the results so far), then the report (`settings` after the workload and
-    timing) saved with the plot."""
+    """One engine for `POOL` (started with `engine_args`), every arm on it in turn (`run_arm`
+    sees the results so far), then the report (`settings` after the workload and timing)
+    saved with the plot."""
     began = time.perf_counter()
     results: Results = {}
     log(name, f"{len(arms)} arms, {timing.measure_s:.0f}s measured each; profile {profile}")

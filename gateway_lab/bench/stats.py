@@ -24,6 +24,22 @@ def ttft_stats(records: Sequence[Record]) -> dict[str, Any]:
     }
 
 
+def tpot_stats(records: Sequence[Record]) -> dict[str, Any]:
+    """P50/P99 of each complete answered request's time per output token after its first
+    chunk (ms): (end - first chunk) / (output tokens - 1), the inter-token time a client sees
+    averaged over one response, not every gap."""
+    values = [
+        (r.end - r.ttft - r.start) / (r.output_tokens - 1)
+        for r in records
+        if r.status == 200 and r.complete and r.ttft is not None and r.output_tokens > 1
+    ]
+    return {
+        "count": len(values),
+        "p50_ms": percentile(values, 50) * 1000.0,
+        "p99_ms": percentile(values, 99) * 1000.0,
+    }
+
+
 def jain_index(values: Sequence[float]) -> float:
     """Jain's fairness index: 1 when all equal, 1/n when one gets everything."""
     if not values or all(v == 0 for v in values):

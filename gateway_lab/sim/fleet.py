@@ -77,7 +77,8 @@ class PoolEngines:
 
 def derived_pool(engines: PoolEngines, max_total_tokens: int | None = None) -> Pool:
     """Gateway limits that let through what the replicas batch without queueing:
-    max_inflight = replicas * max_num_seqs, max_inflight_tokens = replicas * KV tokens."""
+    max_inflight = replicas * max_num_seqs, max_inflight_tokens = replicas * KV tokens, no
+    prefill pacing."""
     profile = engines.profile
     return Pool(
         max_total_tokens=max_total_tokens or profile.max_model_len,
@@ -85,6 +86,7 @@ def derived_pool(engines: PoolEngines, max_total_tokens: int | None = None) -> P
         max_inflight_tokens=engines.replicas * profile.kv_tokens,
         endpoints=[f"sim-{engines.name}-{i}:0" for i in range(engines.replicas)],
         headroom=0,  # every slot the replicas batch, for whoever is next
+        prefill_budget_tokens=0,  # capacity only: no isolation pacing in a sizing run
     )
 
 

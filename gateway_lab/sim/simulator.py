@@ -3,7 +3,8 @@
 Events, in time order (ties in this order, then first come first served):
 
 1. a replica's engine step ends: first tokens and output tokens are recorded, every generated
-   token is charged to the scheduler (`charge_output(lease, 1)`), finished requests release
+   token is charged to the scheduler (`charge_output(lease, 1)`), a first token is reported
+   (`first_token(lease)`: prefill pacing, δ), finished requests release
    their lease with their actual tokens (`release(lease, input, output)`, the settlement), the
    scheduler is pumped, and the replica starts its next step;
 2. an admitted request reaches its replica (admission time + the profile's `frontend_s`) and
@@ -235,6 +236,8 @@ class Simulation:
         record = self._by_id[admission.ticket.request_id]
         record.admitted_at = now
         record.lease_id = admission.lease.lease_id
+        if admission.engine_priority is not None:
+            record.priority = admission.engine_priority  # the gateway's, as in the body
         self._by_lease[admission.lease.lease_id] = record
         chosen = admission.lease.replica  # the gateway's locality index chose (dlpm)
         if chosen is None:
@@ -322,9 +325,13 @@ class Simulation:
         replica.steps += 1
         replica.tokens += len(result.output)
         by_id = self._by_id
+        first_token = self.gateway.scheduler.first_token
+        started = False
         for request_id in result.first_token:
             record = by_id[request_id]
             record.first_token_at = now
+            if record.lease_id is not None:
+                started = first_token(record.lease_id) or started
             limit = self.config.slo.ttft_limit(record.input_tokens)
             if limit is not None and now - record.arrival > limit:
                 self._miss(record)
@@ -350,6 +357,8 @@ class Simulation:
                 self._resolve(record, Outcome.ADMITTED)
                 if not slo.met(record):
                     self._miss(record)
+        if result.finished or started:
+            # a first token ends a prefill: a request paced at the door may go now
             self._pump()
         # The next step starts after everything else at this instant (requests admitted by
         # this release with no frontend delay join it), like an engine's next scheduling pass.

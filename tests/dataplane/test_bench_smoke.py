@@ -55,6 +55,12 @@ def test_noisy_neighbour_quick(tmp_path: Path, capsys: pytest.CaptureFixture[str
         assert {"p50_ratio", "p99_ratio", "throughput_vs_fifo"} <= set(row)
     assert isinstance(summary["target"]["full_policy_met"], bool)
     assert "quiet p99" in printed and "target:" in printed
+    # issue 15's arms: engine priority off, pacing, the δ controller at two objectives
+    assert {"full-nopri", "paced", "delta-100ms", "delta-300ms"} <= set(arms)
+    assert arms["full-nopri"]["engine_priority"] is False and arms["full"]["engine_priority"]
+    assert arms["delta-100ms"]["latency_delta"] == "100ms"
+    assert set(summary["isolation_target"]) >= {"full", "paced", "delta-100ms"}
+    assert all("tpot_p99_ratio" in row for row in summary["rows"].values())
 
 
 def test_token_fairness_quick(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

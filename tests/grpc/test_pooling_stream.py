@@ -6,12 +6,17 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
+from typing import Any
 
 import grpc
 import orjson
 import pytest
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ext_proc_grpc
-from envoy.service.ext_proc.v3.external_processor_pb2 import HttpBody, ProcessingRequest
+from envoy.service.ext_proc.v3.external_processor_pb2 import (
+    CommonResponse,
+    HttpBody,
+    ProcessingRequest,
+)
 
 from extproc.policy import policy_from_text
 from extproc.service.composition import compose
@@ -29,6 +34,21 @@ from tests.pooling_support import (
     rerank_body,
     score_body,
 )
+
+
+def forwarded_as(response: CommonResponse, sent: dict[str, Any]) -> dict[str, Any]:
+    """The body the engine gets: the client's, changed (if at all) only in its engine
+    `priority` (the scheduler's engine priority, or the pool's pooling_priority); never
+    `stream_options`, which is for streamed generation."""
+    if not response.HasField("body_mutation"):
+        return sent
+    forwarded: dict[str, Any] = orjson.loads(response.body_mutation.body)
+    assert "stream_options" not in forwarded or "stream_options" in sent
+    assert {k: v for k, v in forwarded.items() if k != "priority"} == {
+        k: v for k, v in sent.items() if k != "priority"
+    }
+    return forwarded
+
 
 POOLING_CALLS = [
     ("/v1/embeddings", embeddings_body(["first text", "second text"]), "embeddings"),
@@ -57,7 +77,7 @@ async def test_the_ticket_names_the_class_and_reserves_no_output(
     [ticket] = port.tickets
     assert ticket.endpoint == endpoint and ticket.pool == EMBED_POOL
     assert ticket.max_output_tokens == 0 and ticket.budget == ticket.input_tokens
-    assert not reply.request_body.response.HasField("body_mutation")
+    forwarded_as(reply.request_body.response, body)
 
 
 @pytest.fixture
@@ -88,7 +108,7 @@ async def call_and_account(
     await peer.send(headers_message("POST", path, TEST_KEYS["globex"], [("x-llm-pool", "short")]))
     forward = await peer.send(body_message(orjson.dumps(body)))
     assert forward.WhichOneof("response") == "request_body"
-    assert not forward.request_body.response.HasField("body_mutation")
+    forwarded_as(forward.request_body.response, body)
     upstream = set_headers(forward, "request_body")
     assert forward.request_body.response.clear_route_cache
     json_headers = http_headers([(":status", "200"), ("content-type", "application/json")])
@@ -212,11 +232,12 @@ async def test_a_pools_pooling_priority_is_written_into_the_forwarded_body() -> 
             headers = set_headers(reply, "request_body")
             assert headers["content-length"] == str(len(mutation.body))
             await peer.close()
-        # Chat is never touched.
+        # Chat keeps the scheduler's engine priority, not the pooling pool's.
         peer = EnvoyPeer(stub)
         await peer.send(headers_message("POST", "/v1/chat/completions", TEST_KEYS["globex"]))
         chat = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
         reply = await peer.send(body_message(orjson.dumps(chat)))
-        assert not reply.request_body.response.HasField("body_mutation")
+        forwarded = forwarded_as(reply.request_body.response, chat)
+        assert forwarded.get("priority") != 5  # the pooling pool's priority is not chat's
         await peer.close()
     await gateway.close()

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from sim_support import HAND, run
+from sim_support import HAND, make_policy, run
 
 from gateway_lab.sim.trace import TraceRequest, read_trace, write_trace
 
 ONE_SLOT = HAND.with_overrides({"max_num_seqs": 1})
+# The gateway's own engine priority off: the trace's priority is what the engine gets.
+TRACE_PRIORITY = make_policy(pools={"p": {"max_inflight": 64, "engine_priority": "false"}})
 
 
 def long_prompts_then_quiet() -> list[TraceRequest]:
@@ -18,7 +20,9 @@ def long_prompts_then_quiet() -> list[TraceRequest]:
 
 def ttft_of_quiet(policy: str) -> float:
     result = run(
-        long_prompts_then_quiet(), profile=ONE_SLOT.with_overrides({"scheduling_policy": policy})
+        long_prompts_then_quiet(),
+        TRACE_PRIORITY,
+        profile=ONE_SLOT.with_overrides({"scheduling_policy": policy}),
     )
     records = {r.request_id: r for r in result.records}
     quiet = records["r3"]

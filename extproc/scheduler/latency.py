@@ -1,0 +1,183 @@
+"""The δ guarantee: what a request would get alone, how much later each tenant gets its
+tokens, and the controller that turns a tier's `latency_delta` objective into how much of a
+pool the backlogged tenants may use.
+
+The accounting stream reports each admitted request's first token (`Scheduler.first_token`)
+and every later chunk (`Scheduler.charge_output`); the scheduler's clock times them from the
+request's submit, so the simulator drives the same code.
+
+* *Alone* (`AloneModel`, per pool): time to first token as a + b * prompt tokens, fitted online
+  (exponentially weighted least squares) from requests admitted while the pool was nearly
+  idle (nothing else prefilling, at most `IDLE_INFLIGHT` others in flight); the decode step
+  (seconds per output token) from chunks of requests while at most `LOW_BATCH` were in flight.
+* *δ* (`TenantDelta`, per tenant): the k-th token of a request arrives `lag = elapsed -
+  (ttft_alone + (k - 1) * step_alone)` later than alone. The TTFT δ is the lag at the first
+  token; the token δ the per-token gap minus the alone step. Both are published as an
+  exponentially weighted mean and as the largest recent value (decaying).
+* *Controller* (`DeltaController`, per pool): a factor f in [`MIN_FACTOR`, 1] on the
+  backlogged tenants' part of the pool: they are dispatched only while the pool's in-flight
+  requests are below f x its soft limit and its prefilling prompt tokens below f x its prefill
+  budget. A lag above a light tenant's tier objective cuts f by `DECREASE` (at most once per
+  `COOLDOWN_S`); a lag below half the objective raises it by `INCREASE_PER_S` per second of
+  such slack (AIMD). Light tenants are never held back by it; the engines' own waiting queue
+  stays with the adaptive limit (extproc/scheduler/adaptive.py), which the factor only lowers.
+"""
+
+from __future__ import annotations
+
+import math
+
+IDLE_INFLIGHT = 1
+"""A request admitted while at most this many others were in flight (none prefilling) is a
+sample of what it would get alone."""
+LOW_BATCH = 2
+"""A chunk of a request while at most this many were in flight is a sample of the alone step."""
+MIN_SAMPLES = 3
+SAMPLE_HALFLIFE = 50.0
+"""Samples after which an old one weighs half (the engines may change under us)."""
+DELTA_ALPHA = 0.1
+"""Weight of a new sample in the published mean δ."""
+PEAK_HALFLIFE_S = 10.0
+"""The published peak δ decays by half in this time."""
+
+_KEEP = math.pow(0.5, 1.0 / SAMPLE_HALFLIFE)
+
+MIN_FACTOR = 0.05
+DECREASE = 0.7
+COOLDOWN_S = 0.5
+INCREASE_PER_S = 0.2
+MAX_INCREASE_STEP_S = 0.5
+"""A longer quiet spell raises the factor as if it lasted this long (no jump after idle)."""
+
+
+class _Fit:
+    """Exponentially weighted least squares of y on x."""
+
+    __slots__ = ("n", "sw", "sx", "sxx", "sxy", "sy")
+
+    def __init__(self) -> None:
+        self.n = 0
+        self.sw = self.sx = self.sy = self.sxx = self.sxy = 0.0
+
+    def add(self, x: float, y: float) -> None:
+        keep = _KEEP
+        self.n += 1
+        self.sw = self.sw * keep + 1.0
+        self.sx = self.sx * keep + x
+        self.sy = self.sy * keep + y
+        self.sxx = self.sxx * keep + x * x
+        self.sxy = self.sxy * keep + x * y
+
+    def predict(self, x: float) -> float | None:
+        if self.n < MIN_SAMPLES:
+            return None
+        mean_x, mean_y = self.sx / self.sw, self.sy / self.sw
+        var = self.sxx / self.sw - mean_x * mean_x
+        slope = 0.0
+        # One prompt size (or nearly): no slope to learn, the mean is the answer.
+        if var > 1e-6 * max(1.0, mean_x * mean_x):
+            slope = max(0.0, (self.sxy / self.sw - mean_x * mean_y) / var)
+        return max(0.0, mean_y + slope * (x - mean_x))
+
+
+class AloneModel:
+    """What a request would get alone in one pool (see the module docstring)."""
+
+    __slots__ = ("_step", "_ttft")
+
+    def __init__(self) -> None:
+        self._ttft = _Fit()
+        self._step = _Fit()
+
+    def observe_ttft(self, prompt_tokens: int, ttft_s: float) -> None:
+        self._ttft.add(float(prompt_tokens), ttft_s)
+
+    def observe_step(self, seconds_per_token: float) -> None:
+        self._step.add(0.0, seconds_per_token)
+
+    def ttft(self, prompt_tokens: int) -> float | None:
+        return self._ttft.predict(float(prompt_tokens))
+
+    def step(self) -> float | None:
+        return self._step.predict(0.0)
+
+    def describe(self) -> dict[str, float | int | None]:
+        return {
+            "ttft_samples": self._ttft.n,
+            "step_samples": self._step.n,
+            "step_s": self.step(),
+        }
+
+
+class _Tracked:
+    """A mean and a decaying peak of one δ series."""
+
+    __slots__ = ("mean", "peak", "peak_at", "samples")
+
+    def __init__(self) -> None:
+        self.mean: float | None = None
+        self.peak = 0.0
+        self.peak_at = 0.0
+        self.samples = 0
+
+    def add(self, value: float, now: float) -> None:
+        self.samples += 1
+        self.mean = value if self.mean is None else self.mean + DELTA_ALPHA * (value - self.mean)
+        if value >= self.peak_now(now):
+            self.peak, self.peak_at = value, now
+
+    def peak_now(self, now: float) -> float:
+        if self.samples == 0:
+            return 0.0
+        return self.peak * math.pow(0.5, max(0.0, now - self.peak_at) / PEAK_HALFLIFE_S)
+
+    def describe(self, now: float) -> dict[str, float | int | None]:
+        return {
+            "mean_s": self.mean,
+            "peak_s": self.peak_now(now) if self.samples else None,
+            "samples": self.samples,
+        }
+
+
+class TenantDelta:
+    """How much later than alone one tenant gets its first tokens and its later tokens."""
+
+    __slots__ = ("tokens", "ttft")
+
+    def __init__(self) -> None:
+        self.ttft = _Tracked()
+        self.tokens = _Tracked()
+
+    def describe(self, now: float) -> dict[str, dict[str, float | int | None]]:
+        return {"ttft": self.ttft.describe(now), "tokens": self.tokens.describe(now)}
+
+
+class DeltaController:
+    """The backlogged tenants' factor of one pool (see the module docstring)."""
+
+    __slots__ = ("_decreased_at", "_updated_at", "factor", "violations")
+
+    def __init__(self) -> None:
+        self.factor = 1.0
+        self.violations = 0
+        self._decreased_at = -math.inf
+        self._updated_at: float | None = None
+
+    def observe(self, lag_s: float, objective_s: float, now: float) -> None:
+        """A light tenant's token arrived `lag_s` later than alone; its tier wants at most
+        `objective_s`."""
+        last, self._updated_at = self._updated_at, now
+        if lag_s > objective_s:
+            self.violations += 1
+            if now - self._decreased_at >= COOLDOWN_S:
+                self.factor = max(MIN_FACTOR, self.factor * DECREASE)
+                self._decreased_at = now
+        elif lag_s < objective_s / 2 and last is not None:
+            step = min(MAX_INCREASE_STEP_S, max(0.0, now - last))
+            self.factor = min(1.0, self.factor + INCREASE_PER_S * step)
+
+    def limit(self, full: int) -> int:
+        """`full` scaled by the factor, at least 1 (one backlogged request can always go)."""
+        if self.factor >= 1.0:
+            return full
+        return max(1, int(full * self.factor))

@@ -1,0 +1,73 @@
+"""The noisy-neighbour table printed at the end of a run (gateway_lab/bench/noisy.py)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, Protocol
+
+from gateway_lab.bench.noisy_isolation import ISOLATION_TPOT_RATIO
+from gateway_lab.bench.noisy_plot import ISOLATION_TTFT_RATIO, TARGET_RATIO, TARGET_THROUGHPUT
+from gateway_lab.bench.stats import fmt
+
+
+class _Named(Protocol):
+    @property
+    def name(self) -> str: ...
+
+
+def print_table(summary: dict[str, Any], arms: Sequence[_Named]) -> None:
+    """The noisy-neighbour table and its verdicts, as `compare` summarised them."""
+    rows = summary["rows"]
+    print(
+        f"\n{'arm':14} {'quiet p50':>10} {'quiet p99':>10} {'p50 x':>6} {'p99 x':>7} "
+        f"{'tpot99 x':>8} {'flooder tok/s':>13} {'total tok/s':>11} {'vs FIFO':>7}"
+    )
+    for arm in arms:
+        row = rows.get(arm.name)
+        if row is None:
+            continue
+        print(
+            f"{arm.name:14} {fmt(row['quiet_p50_ms']):>8}ms {fmt(row['quiet_p99_ms']):>8}ms "
+            f"{fmt(row['p50_ratio'], 2):>6} {fmt(row['p99_ratio'], 2):>7} "
+            f"{fmt(row['tpot_p99_ratio'], 2):>8} {fmt(row['flooder_tok_s'], 0):>13} "
+            f"{fmt(row['total_tok_s'], 0):>11} "
+            f"{fmt(row['throughput_vs_fifo'] * 100, 0):>6}%"
+        )
+    target = summary["target"]
+    full = rows.get("full")
+    if full is not None:
+        verdict = "met" if target["full_policy_met"] else "NOT met"
+        print(
+            f"\ntarget: full-policy quiet P99 <= {TARGET_RATIO:.2f}x alone with total >= "
+            f"{TARGET_THROUGHPUT:.0%} of FIFO: {verdict} "
+            f"(P99 {full['p99_ratio']:.2f}x, throughput {full['throughput_vs_fifo']:.0%})"
+        )
+    plain = rows.get("plain")
+    if full is not None and plain is not None:
+        verdict = "met" if target["plain_policy_met"] else "NOT met"
+        print(
+            f"target: plain-policy quiet P99 ratio <= "
+            f"{target['plain_p99_ratio_of_full_max']:.2f}x full's with total >= "
+            f"{target['plain_throughput_of_full_min']:.0%} of full's: {verdict} "
+            f"(P99 ratio {plain['p99_ratio'] / full['p99_ratio']:.2f}x full's, "
+            f"throughput {plain['total_tok_s'] / full['total_tok_s']:.0%} of full's)"
+        )
+    met = [name for name, ok in summary["isolation_target"].items() if ok]
+    print(
+        f"target: quiet P99 TTFT <= {ISOLATION_TTFT_RATIO:.1f}x and P99 TPOT <= "
+        f"{ISOLATION_TPOT_RATIO:.1f}x alone at >= {TARGET_THROUGHPUT:.0%} of FIFO: "
+        + (f"met by {', '.join(met)}" if met else "NOT met by any arm")
+    )
+    for label, key in (
+        ("best P99 ratio at >= 95% of FIFO", "best_at_95pct_throughput"),
+        ("best P99 ratio at any throughput", "best_ratio_overall"),
+    ):
+        name = summary.get(key)
+        if name:
+            row = rows[name]
+            print(
+                f"{label}: {name} ({row['p99_ratio']:.2f}x, "
+                f"{row['throughput_vs_fifo']:.0%} of FIFO)"
+            )
+        else:
+            print(f"{label}: none")

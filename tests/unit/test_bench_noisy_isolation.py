@@ -1,0 +1,48 @@
+"""The noisy-neighbour isolation arms: which arms run, the engine's flags, the policy each
+arm writes, and the verdict against issue 15's targets."""
+
+from __future__ import annotations
+
+import pytest
+
+from extproc.policy import policy_from_text
+from gateway_lab.bench.noisy import Timing, plan_arms, policy_text
+from gateway_lab.bench.noisy_isolation import Isolation, isolation_verdicts, with_warmup
+
+
+def test_arms_and_their_policies() -> None:
+    arms = {arm.name: arm for arm in plan_arms(Timing(), [24], 8, 1024, ("100ms", "1s"))}
+    assert {"full-nopri", "full", "paced", "delta-100ms", "delta-1s"} <= set(arms)
+    nopri = policy_from_text(policy_text("127.0.0.1:1", arms["full-nopri"]))
+    assert nopri.pools["main"].engine_priority is False
+    delta = policy_from_text(policy_text("127.0.0.1:1", arms["delta-1s"]))
+    assert delta.pools["main"].engine_priority is True
+    assert delta.pools["main"].effective_prefill_budget == 1024
+    assert delta.source.tier_options["standard"].latency_delta == 1.0
+    full = policy_from_text(policy_text("127.0.0.1:1", arms["full"]))
+    assert full.source.tier_options == {}
+
+
+def test_selection_engine_flags_and_warmup() -> None:
+    arms = plan_arms(Timing(), [], 8)
+    chosen = Isolation(arms=("fifo", "full")).select(arms)
+    assert [arm.name for arm in chosen] == ["fifo", "full"]
+    with pytest.raises(SystemExit):
+        Isolation(arms=("nope",)).select(arms)
+    assert Isolation(prefill_threshold=256).engine_args() == [
+        "--scheduling-policy", "priority", "--long-prefill-token-threshold", "256",
+    ]  # fmt: skip
+    short = with_warmup(Timing(), 5.0)
+    assert short.warmup_fifo_s == short.warmup_full_s == short.warmup_alone_s == 5.0
+    assert short.measure_s == Timing().measure_s
+
+
+def test_the_verdict_needs_all_three_targets() -> None:
+    rows = {
+        "a": {"p99_ratio": 1.9, "tpot_p99_ratio": 1.4, "throughput_vs_fifo": 0.96},
+        "b": {"p99_ratio": 1.9, "tpot_p99_ratio": 1.6, "throughput_vs_fifo": 0.96},
+        "c": {"p99_ratio": 1.9, "tpot_p99_ratio": 1.4, "throughput_vs_fifo": 0.90},
+        "fifo": {"p99_ratio": 100.0, "tpot_p99_ratio": 9.0, "throughput_vs_fifo": 1.0},
+    }
+    verdict = isolation_verdicts(rows, {"a": 1, "b": 1, "c": 1})
+    assert verdict == {"a": True, "b": False, "c": False}

@@ -1,0 +1,115 @@
+"""Reaching into the engine from the door: the engine priority each admission carries, and
+prefill pacing of backlogged tenants (extproc/scheduler/dispatch.py, leases.py)."""
+
+from __future__ import annotations
+
+from extproc.policy import Policy, policy_from_text
+from extproc.scheduler import Admission, ManualClock, Scheduler, Ticket
+
+
+def _policy(pool_keys: str = "", max_inflight: int = 8) -> Policy:
+    extra = f", {pool_keys}" if pool_keys else ""
+    return policy_from_text(f"""\
+version: 1
+tiers: [gold, silver]
+tenants:
+  vip: {{tier: gold, limits: {{max_queued: 1000}}}}
+  flood: {{tier: silver, limits: {{max_queued: 1000}}}}
+  quiet: {{tier: silver, limits: {{max_queued: 1000}}}}
+pools:
+  p: {{max_total_tokens: 100000, max_inflight: {max_inflight}, max_inflight_tokens: 10000000,
+       endpoints: ["127.0.0.1:1"], headroom: 0, adaptive: {{enabled: false}}{extra}}}
+""")
+
+
+def _ticket(rid: str, tenant: str, prompt: int = 100, streamed: bool = True) -> Ticket:
+    return Ticket(rid, tenant, "p", prompt, 100, streamed=streamed)
+
+
+def _submit(sched: Scheduler, *tickets: Ticket) -> None:
+    for ticket in tickets:
+        assert sched.submit(ticket) is None
+
+
+def _by_id(admissions: list[Admission]) -> dict[str, Admission]:
+    return {a.ticket.request_id: a for a in admissions}
+
+
+def test_engine_priority_orders_tiers_strictly_then_light_before_backlogged() -> None:
+    sched = Scheduler(_policy("prefill_budget_tokens: 0", max_inflight=4), ManualClock(0.0))
+    _submit(sched, *(_ticket(f"f{i}", "flood") for i in range(10)))
+    first = sched.dispatch()
+    # silver is rank 1; the flooder wants far more than its share: backlogged
+    assert [a.engine_priority for a in first] == [3, 3, 3, 3]
+    sched.release(first[0].lease.lease_id)
+    _submit(sched, _ticket("q0", "quiet"))
+    (quiet,) = sched.dispatch()
+    assert quiet.ticket.request_id == "q0" and quiet.engine_priority == 2  # silver, light
+    sched.release(first[1].lease.lease_id)
+    _submit(sched, *(_ticket(f"v{i}", "vip") for i in range(6)))
+    (vip,) = sched.dispatch()
+    # gold, and far beyond its share: backlogged, still ahead of every silver request
+    assert vip.ticket.tenant == "vip" and vip.engine_priority == 1
+    assert vip.engine_priority < quiet.engine_priority < first[0].engine_priority
+
+
+def test_engine_priority_off_leaves_the_admission_without_one() -> None:
+    sched = Scheduler(_policy("engine_priority: false"), ManualClock(0.0))
+    _submit(sched, _ticket("f0", "flood"))
+    (admission,) = sched.dispatch()
+    assert admission.engine_priority is None
+
+
+def test_prefill_budget_paces_backlogged_tenants_until_first_tokens() -> None:
+    sched = Scheduler(_policy("prefill_budget_tokens: 250"), ManualClock(0.0))
+    _submit(sched, *(_ticket(f"f{i}", "flood") for i in range(6)))
+    flood = sched.dispatch()
+    # 0, 100, 200 prefilling are below 250; at 300 the flooder waits with 5 slots still free
+    assert [a.ticket.request_id for a in flood] == ["f0", "f1", "f2"]
+    assert sched.snapshot()["pools"]["p"]["prefilling_tokens"] == 300
+    _submit(sched, _ticket("q0", "quiet"))
+    assert [a.ticket.request_id for a in sched.dispatch()] == ["q0"]  # light: not paced
+    assert sched.first_token(flood[0].lease.lease_id)
+    assert sched.dispatch() == []  # 300 (f1, f2, q0) still at or above the budget
+    assert sched.first_token(flood[0].lease.lease_id)  # idempotent
+    assert sched.snapshot()["pools"]["p"]["prefilling_tokens"] == 300
+    sched.release(flood[1].lease.lease_id)  # a release ends its prefill too
+    assert [a.ticket.request_id for a in sched.dispatch()] == ["f3"]
+    assert sched.snapshot()["pools"]["p"]["prefilling_tokens"] == 300
+
+
+def test_a_chunk_of_output_ends_the_prefill_as_a_first_token_does() -> None:
+    sched = Scheduler(_policy("prefill_budget_tokens: 150"), ManualClock(0.0))
+    _submit(sched, *(_ticket(f"f{i}", "flood") for i in range(3)))
+    (f0, _f1) = sched.dispatch()
+    sched.charge_output(f0.lease.lease_id, 1)
+    assert sched.snapshot()["pools"]["p"]["prefilling_tokens"] == 100
+    assert [a.ticket.request_id for a in sched.dispatch()] == ["f2"]
+
+
+def test_non_streamed_requests_are_not_counted_as_prefilling() -> None:
+    sched = Scheduler(_policy("prefill_budget_tokens: 150"), ManualClock(0.0))
+    _submit(sched, *(_ticket(f"f{i}", "flood", streamed=False) for i in range(5)))
+    assert len(sched.dispatch()) == 5
+    assert sched.snapshot()["pools"]["p"]["prefilling_tokens"] == 0
+
+
+def test_pacing_off_and_the_default_budget() -> None:
+    for keys in ("prefill_budget_tokens: 0", "prefill_budget_tokens: false"):
+        sched = Scheduler(_policy(keys), ManualClock(0.0))
+        _submit(sched, *(_ticket(f"f{i}", "flood", prompt=50_000) for i in range(8)))
+        assert len(sched.dispatch()) == 8
+        assert sched.snapshot()["pools"]["p"]["prefill_budget_tokens"] is None
+    default = Scheduler(_policy(), ManualClock(0.0))
+    assert default.snapshot()["pools"]["p"]["prefill_budget_tokens"] == 100_000  # max_total
+    _submit(default, *(_ticket(f"f{i}", "flood", prompt=50_000) for i in range(8)))
+    assert len(default.dispatch()) == 2  # 0 and 50,000 are below 100,000
+
+
+def test_requeue_gives_back_the_prefill_it_took() -> None:
+    sched = Scheduler(_policy("prefill_budget_tokens: 150"), ManualClock(0.0))
+    _submit(sched, *(_ticket(f"f{i}", "flood") for i in range(3)))
+    (f0, _f1) = sched.dispatch()
+    assert sched.requeue(f0.lease.lease_id)
+    assert sched.snapshot()["pools"]["p"]["prefilling_tokens"] == 100
+    assert [a.ticket.request_id for a in sched.dispatch()] == ["f0"]

@@ -1,0 +1,188 @@
+"""The δ guarantee (extproc/scheduler/latency.py): the alone model, each tenant's δ, and the
+controller that a tier's latency_delta drives."""
+
+from __future__ import annotations
+
+import pytest
+
+from extproc.metrics import Metrics
+from extproc.policy import PolicyError, policy_from_text
+from extproc.scheduler import Admission, ManualClock, Scheduler, Ticket
+from extproc.scheduler.latency import COOLDOWN_S, DECREASE, MIN_FACTOR, DeltaController
+
+
+def _scheduler(objective: str = "100ms") -> tuple[Scheduler, ManualClock]:
+    options = f"tier_options: {{standard: {{latency_delta: {objective}}}}}\n" if objective else ""
+    policy = policy_from_text(f"""\
+version: 1
+tiers: [standard]
+{options}tenants:
+  flood: {{tier: standard, limits: {{max_queued: 1000}}}}
+  quiet: {{tier: standard, limits: {{max_queued: 1000}}}}
+  solo: {{tier: standard}}
+pools:
+  p: {{max_total_tokens: 100000, max_inflight: 8, max_inflight_tokens: 10000000,
+       endpoints: ["127.0.0.1:1"], headroom: 2, adaptive: {{enabled: false}},
+       prefill_budget_tokens: 0}}
+""")
+    clock = ManualClock(0.0)
+    return Scheduler(policy, clock), clock
+
+
+def _one(sched: Scheduler, rid: str, tenant: str) -> Admission:
+    assert sched.submit(Ticket(rid, tenant, "p", 100, 100)) is None
+    (admission,) = sched.dispatch()
+    return admission
+
+
+def _learn_alone(sched: Scheduler, clock: ManualClock, ttft: float = 0.05) -> None:
+    for i in range(3):
+        admission = _one(sched, f"alone{i}", "solo")
+        clock.advance(ttft)
+        sched.first_token(admission.lease.lease_id)
+        sched.release(admission.lease.lease_id)
+
+
+def test_ttft_delta_is_published_and_a_violation_tightens_the_backlogged_share() -> None:
+    sched, clock = _scheduler()
+    _learn_alone(sched, clock)
+    assert sched.snapshot()["pools"]["p"]["alone"]["ttft_samples"] == 3
+    for i in range(20):
+        assert sched.submit(Ticket(f"f{i}", "flood", "p", 100, 100)) is None
+    flood = sched.dispatch()
+    assert len(flood) == 6  # the soft limit
+    quiet = _one(sched, "q", "quiet")  # light: through the headroom
+    clock.advance(0.3)
+    sched.first_token(quiet.lease.lease_id)
+    snapshot = sched.snapshot()
+    assert snapshot["tenants"]["quiet"]["latency_delta"]["ttft"]["mean_s"] == pytest.approx(0.25)
+    assert snapshot["tenants"]["flood"]["latency_delta"] is None  # no first token yet
+    pool = snapshot["pools"]["p"]
+    assert pool["delta_factor"] == pytest.approx(DECREASE) and pool["delta_violations"] == 1
+    # backlogged requests now go only below 0.7 x the soft limit of 6: 4 in flight
+    for admission in flood[:3]:
+        sched.release(admission.lease.lease_id)
+    assert sched.dispatch() == []  # 3 flood + quiet = 4
+    sched.release(flood[3].lease.lease_id)
+    assert [a.ticket.tenant for a in sched.dispatch()] == ["flood"]
+    assert sched.dispatch() == []
+
+
+def test_a_backlogged_tenants_own_lag_does_not_steer() -> None:
+    sched, clock = _scheduler()
+    _learn_alone(sched, clock)
+    for i in range(20):
+        assert sched.submit(Ticket(f"f{i}", "flood", "p", 100, 100)) is None
+    flood = sched.dispatch()
+    clock.advance(2.0)
+    sched.first_token(flood[-1].lease.lease_id)
+    snapshot = sched.snapshot()
+    assert snapshot["tenants"]["flood"]["latency_delta"]["ttft"]["samples"] == 1
+    assert snapshot["pools"]["p"]["delta_factor"] == 1.0
+
+
+def test_without_an_objective_delta_is_measured_but_nothing_steers() -> None:
+    sched, clock = _scheduler(objective="")
+    _learn_alone(sched, clock)
+    for i in range(20):
+        assert sched.submit(Ticket(f"f{i}", "flood", "p", 100, 100)) is None
+    sched.dispatch()
+    quiet = _one(sched, "q", "quiet")
+    clock.advance(1.0)
+    sched.first_token(quiet.lease.lease_id)
+    snapshot = sched.snapshot()
+    assert snapshot["tenants"]["quiet"]["latency_delta"]["ttft"]["mean_s"] == pytest.approx(0.95)
+    assert snapshot["pools"]["p"]["delta_factor"] == 1.0
+
+
+def test_token_delta_from_the_alone_step() -> None:
+    sched, clock = _scheduler()
+    lone = _one(sched, "lone", "quiet")
+    for _ in range(5):  # the first chunk starts the clock; 4 gaps of 20 ms at batch 1
+        clock.advance(0.02)
+        sched.charge_output(lone.lease.lease_id, 1)
+    alone = sched.snapshot()["pools"]["p"]["alone"]
+    assert alone["step_samples"] == 4 and alone["step_s"] == pytest.approx(0.02)
+    clock.advance(0.06)
+    sched.charge_output(lone.lease.lease_id, 2)  # 30 ms per token: 10 ms later than alone
+    tokens = sched.snapshot()["tenants"]["quiet"]["latency_delta"]["tokens"]
+    assert tokens["peak_s"] == pytest.approx(0.01)
+    assert tokens["samples"] == 2  # the gaps after the alone step had 3 samples
+
+
+def test_the_controller_cuts_once_per_cooldown_and_opens_with_slack() -> None:
+    control = DeltaController()
+    control.observe(0.5, 0.1, 10.0)
+    control.observe(0.5, 0.1, 10.0 + COOLDOWN_S / 2)
+    assert control.factor == pytest.approx(DECREASE) and control.violations == 2
+    control.observe(0.5, 0.1, 10.0 + COOLDOWN_S)
+    assert control.factor == pytest.approx(DECREASE**2)
+    before = control.factor
+    control.observe(0.01, 0.1, 11.0)  # slack: raised by the time since the last sample
+    assert control.factor > before
+    for step in range(100):
+        control.observe(0.01, 0.1, 12.0 + step * 0.5)
+    assert control.factor == 1.0 and control.limit(24) == 24
+    control.factor = 0.01
+    assert control.limit(24) == 1  # one backlogged request can always go
+
+
+@pytest.mark.parametrize("value", ["0s", "-1s", "soon", "true"])
+def test_latency_delta_is_strict_with_file_line(value: str) -> None:
+    text = f"""\
+version: 1
+tiers: [standard]
+tier_options:
+  standard: {{latency_delta: {value}}}
+tenants: {{a: {{tier: standard}}}}
+pools:
+  p: {{max_total_tokens: 100, max_inflight: 4, max_inflight_tokens: 1000, endpoints: ["h:1"]}}
+"""
+    with pytest.raises(PolicyError) as caught:
+        policy_from_text(text, "p.yaml")
+    issues = [str(issue) for issue in caught.value.issues]
+    assert any(i.startswith("p.yaml:4: tier_options.standard.latency_delta") for i in issues), (
+        issues
+    )
+
+
+def test_delta_and_pacing_are_exported_as_metrics() -> None:
+    sched, clock = _scheduler()
+    _learn_alone(sched, clock)
+    for i in range(20):
+        assert sched.submit(Ticket(f"f{i}", "flood", "p", 100, 100)) is None
+    sched.dispatch()
+    quiet = _one(sched, "q", "quiet")
+    clock.advance(0.3)
+    sched.first_token(quiet.lease.lease_id)
+    metrics = Metrics()
+    metrics.refresh(sched.snapshot(), {"flood", "quiet", "solo"})
+    sample = metrics.registry.get_sample_value
+    labels = {"tenant": "quiet", "kind": "ttft"}
+    assert sample("extproc_tenant_latency_delta_seconds", labels) == pytest.approx(0.25)
+    assert sample("extproc_pool_delta_factor", {"pool": "p"}) == pytest.approx(DECREASE)
+    # the six flooder requests dispatched have not shown a first token: 600 prompt tokens
+    assert sample("extproc_pool_prefilling_tokens", {"pool": "p"}) == 600
+
+
+def test_a_tightened_pool_keeps_the_quiet_tenant_light() -> None:
+    """Throttling the backlogged tenants shrinks the pool's admitted work; the quiet tenant's
+    share is of the whole demand, queued work included, so it stays light and is not held."""
+    sched, clock = _scheduler()
+    _learn_alone(sched, clock)
+    for i in range(40):
+        assert sched.submit(Ticket(f"f{i}", "flood", "p", 100, 100)) is None
+    flood = sched.dispatch()
+    for step in range(12):  # repeated violations, one cut per cooldown
+        quiet = _one(sched, f"q{step}", "quiet")
+        clock.advance(COOLDOWN_S)
+        sched.first_token(quiet.lease.lease_id)
+        sched.release(quiet.lease.lease_id)
+    assert sched.snapshot()["pools"]["p"]["delta_factor"] == pytest.approx(MIN_FACTOR)
+    for admission in flood:
+        sched.release(admission.lease.lease_id)
+    flood = sched.dispatch()
+    assert len(flood) == 1  # the flooder: one request at the floor
+    for i in range(3):
+        assert sched.submit(Ticket(f"quiet{i}", "quiet", "p", 100, 100)) is None
+    assert [a.ticket.tenant for a in sched.dispatch()] == ["quiet"] * 3
