@@ -134,10 +134,12 @@ class Pool(StrictModel):
     includes /v1/score). A request goes only to a pool that serves its class."""
     pooling_priority: int | None = None
     """vLLM's request `priority` the gateway writes into the embeddings / rerank / score calls
-    it forwards to this pool (replacing the client's). An engine run with `--scheduling-policy
-    priority` serves lower values first and chat requests carry the default 0, so a positive
-    value lets interactive requests overtake the inputs of a batch already in the engine's
-    queue. Omitted: bodies go unchanged. Engines under "fcfs" ignore it."""
+    it forwards to this pool, in place of the client's and of the scheduler's engine priority
+    (`engine_priority`: tier rank x 2, + 1 when backlogged). An engine run with
+    `--scheduling-policy priority` serves lower values first, so a value above every chat
+    request's (2 x the number of tiers) lets interactive requests overtake the inputs of a
+    batch already in the engine's queue. Omitted: pooling calls carry the engine priority like
+    any other. Engines under "fcfs" ignore it."""
     headroom: NonNegativeInt | None = None
     """Requests above the soft limit (max_inflight - headroom) that only tenants below their
     fair share may use, so a quiet tenant never waits for a whole flooder request. Omitted:

@@ -10,9 +10,10 @@ priority (`--scheduling-policy priority`, as the pools the project ships). Arms:
 * chat-solo: the chat tenant alone through the service (its reference);
 * fifo: both, Envoy straight to the engine (no priorities set: FCFS inside the engine);
 * gateway-admission: both through the service: token-weighted DRR (an embedding batch costs
-  its input tokens; a chat request input + 2 x output), capacity that follows the engine;
-* gateway-priority: the same, and the pool's `pooling_priority` (1) written into each batch,
-  so the engine serves chat (priority 0) before a batch's inputs still waiting;
+  its input tokens; a chat request input + 2 x output), capacity that follows the engine, and
+  the scheduler's engine priority (tier rank x 2, + 1 for a backlogged tenant) in every body;
+* gateway-priority: the same, and the pool's `pooling_priority` (9) in each batch instead, so
+  the engine serves every chat request before a batch's inputs still waiting;
 * gateway: priority as well, and a static soft limit (`adaptive: {enabled: false}`,
   `max_inflight` 64, headroom 8) instead of the one that follows the engine.
 
@@ -99,6 +100,8 @@ class Arm:
 
 
 STATIC_INFLIGHT = 64
+POOLING_PRIORITY = 9
+"""Above every chat request's engine priority (one tier: 0, or 1 when backlogged)."""
 ENGINE_ARGS = ("--scheduling-policy", "priority")
 
 
@@ -387,8 +390,17 @@ def run(
         Arm("chat-solo", "service", False, timing.warmup_solo_s),
         Arm("fifo", "direct", True, timing.warmup_s),
         Arm("gateway-admission", "service", True, timing.warmup_s),
-        Arm("gateway-priority", "service", True, timing.warmup_s, pooling_priority=1),
-        Arm("gateway", "service", True, timing.warmup_s, pooling_priority=1, static=True),
+        Arm(
+            "gateway-priority", "service", True, timing.warmup_s, pooling_priority=POOLING_PRIORITY
+        ),
+        Arm(
+            "gateway",
+            "service",
+            True,
+            timing.warmup_s,
+            pooling_priority=POOLING_PRIORITY,
+            static=True,
+        ),
     ]
 
     def conclude(results: scenario.Results) -> scenario.Conclusion:
