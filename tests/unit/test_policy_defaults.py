@@ -224,7 +224,6 @@ def test_cli_check_prints_the_capacity_and_warns_on_stderr(tmp_path: Path) -> No
         "  pool p: max_inflight 24 (hard limit), headroom 0 (set), soft limit 24 static "
         "(adaptive: {enabled: false})",
         "  pool p: engine priority on (body `priority` = tier rank x 2, + 1 when backlogged; "
-        "engines need --scheduling-policy priority), prefill budget 100000 prompt tokens for "
-        "backlogged tenants (default: max_total_tokens)",
+        "engines need --scheduling-policy priority), prefill pacing off (default)",
     ]
     assert result.stderr.startswith(f"{file}: pools.p.headroom: warning: headroom 0 with")
