@@ -204,8 +204,8 @@ def _wrong_method(path: str, allowed: str) -> Route:
 
 def routes(policy: Policy, extproc_filters: bool) -> RouteConfiguration:
     # The accounting stream learns which engine served the response (to correct cut-short
-    # streams from its counters, extproc.service.reconcile); the admission stream removes
-    # the header before the client sees it.
+    # streams from its counters, extproc.service.reconcile); the header-mutation filter
+    # removes the header before the client sees it (extproc.envoy_config).
     upstream = [_add_header(UPSTREAM_HEADER, "%UPSTREAM_HOST%")] if extproc_filters else []
     smallest = f"pool_{policy.pools_by_size[0][0]}"
 

@@ -241,9 +241,10 @@ def test_envoy_gateway_extension_policy_matches_the_render() -> None:
     assert (entry["processingMode"]["request"]["body"] == "Buffered") == (
         mode.get("requestBodyMode") == "BUFFERED"
     )
-    # A `response` entry sends response headers; without `body` it sends no response body.
-    assert "response" in entry["processingMode"] and mode["responseHeaderMode"] == "SEND"
-    assert "body" not in entry["processingMode"]["response"] and "responseBodyMode" not in mode
+    # A `response` entry would send response headers: the render skips them, and sends no
+    # response body.
+    assert "response" not in entry["processingMode"] and mode["responseHeaderMode"] == "SKIP"
+    assert "responseBodyMode" not in mode
     assert entry["failOpen"] is bool(admission.get("failureModeAllow", False))
     # No max_message_timeout in this API: the message timeout covers the longest hold.
     assert duration_s(entry["messageTimeout"]) == duration_s(admission["maxMessageTimeout"])
