@@ -47,6 +47,7 @@ from envoy_data_plane.envoy.config.endpoint.v3 import (
 )
 from envoy_data_plane.envoy.config.listener.v3 import Filter, FilterChain, Listener
 from envoy_data_plane.envoy.extensions.access_loggers.stream.v3 import StdoutAccessLog
+from envoy_data_plane.envoy.extensions.filters.http.buffer.v3 import Buffer
 from envoy_data_plane.envoy.extensions.filters.http.ext_proc.v3 import (
     ExternalProcessor,
     MetadataOptions,
@@ -79,6 +80,7 @@ from envoy_data_plane.google.protobuf import Struct
 from extproc.envoy_routes import (
     ACCOUNTING_FILTER,
     ADMISSION_FILTER,
+    DRAIN_FILTER,
     local_replies,
     routes,
 )
@@ -221,6 +223,13 @@ def _header_mutations() -> HttpFilter:
     return HttpFilter(name="envoy.filters.http.header_mutation", typed_config=AnyProto.pack(config))
 
 
+def _drain_filter() -> HttpFilter:
+    """Off unless a route turns it on: only the route for declared oversized bodies does, to
+    read them whole before its 413 (extproc.envoy_routes)."""
+    config = Buffer(max_request_bytes=1)  # the route's own limit replaces it
+    return HttpFilter(name=DRAIN_FILTER, typed_config=AnyProto.pack(config), disabled=True)
+
+
 def _admission_filter(policy: Policy) -> HttpFilter:
     hold_cap = envoy_hold_limit(policy.source)
     config = ExternalProcessor(
@@ -331,6 +340,7 @@ def build_bootstrap(policy: Policy, options: RenderOptions) -> Bootstrap:
                 if options.extproc_filters
                 else []
             ),
+            _drain_filter(),
             HttpFilter(name="envoy.filters.http.router", typed_config=AnyProto.pack(Router())),
         ],
         local_reply_config=local_replies(),
