@@ -62,9 +62,9 @@ _DICTIONARY = [
 
 
 def request_target(data: bytes) -> None:
-    fuzzed = atheris.FuzzedDataProvider(data)
-    path = INFERENCE_PATHS[fuzzed.ConsumeIntInRange(0, len(INFERENCE_PATHS) - 1)]
-    raw = fuzzed.ConsumeBytes(fuzzed.remaining_bytes())
+    # The last byte picks the endpoint; the rest is the body.
+    path = INFERENCE_PATHS[data[-1] % len(INFERENCE_PATHS)] if data else INFERENCE_PATHS[0]
+    raw = data[:-1]
     try:
         request = parse_inference_request(path, raw)
     except GatewayError as error:
@@ -86,22 +86,25 @@ def path_target(data: bytes) -> None:
     assert not {".", ".."} & set(normalised.split("/")), normalised
 
 
-def _cuts(fuzzed: atheris.FuzzedDataProvider, body: bytes) -> list[bytes]:
-    points = sorted(
-        {fuzzed.ConsumeIntInRange(0, len(body)) for _ in range(fuzzed.ConsumeIntInRange(0, 8))}
-    )
+_CUT_SPEC_BYTES = 8
+
+
+def _cuts(spec: bytes, body: bytes) -> list[bytes]:
+    """The body cut where `spec` says: its first byte how many cuts (up to 7), the next ones
+    where (a fraction of the length each)."""
+    count = spec[0] % _CUT_SPEC_BYTES if spec else 0
+    points = sorted({b * len(body) // 255 for b in spec[1 : 1 + count]})
     edges = [0, *points, len(body)]
     return [body[a:b] for a, b in itertools.pairwise(edges)]
 
 
 def sse_target(data: bytes) -> None:
-    fuzzed = atheris.FuzzedDataProvider(data)
-    seed = fuzzed.ConsumeBytes(fuzzed.ConsumeIntInRange(0, 64))
-    body = fuzzed.ConsumeBytes(fuzzed.remaining_bytes())
+    # The last bytes say where to cut the body into chunks; the rest is the body.
+    body, spec = data[:-_CUT_SPEC_BYTES], data[-_CUT_SPEC_BYTES:]
     whole, pieces = SseUsageParser(), SseUsageParser()
     whole.feed(body)
     whole.close()
-    for piece in _cuts(atheris.FuzzedDataProvider(seed), body):
+    for piece in _cuts(spec, body):
         pieces.feed(piece)
     pieces.close()
     observed = (whole.usage, whole.done, whole.output_tokens_seen, whole.malformed, whole.error)
@@ -110,7 +113,7 @@ def sse_target(data: bytes) -> None:
     assert whole.output_tokens_seen >= 0
     json_whole, json_pieces = JsonUsageParser(), JsonUsageParser()
     json_whole.feed(body)
-    for piece in _cuts(atheris.FuzzedDataProvider(seed), body):
+    for piece in _cuts(spec, body):
         json_pieces.feed(piece)
     assert json_whole.finish() == json_pieces.finish()
 
@@ -124,8 +127,7 @@ TARGETS: dict[str, Callable[[bytes], None]] = {
 
 def _seed_corpus(target: str, folder: Path) -> None:
     if target == "request":
-        seeds = [b"\x00" + orjson.dumps(seed) for seed in _REQUEST_SEEDS]
-        seeds += [b"\x01" + orjson.dumps(seed) for seed in _REQUEST_SEEDS]
+        seeds = [orjson.dumps(seed) + bytes([i]) for seed in _REQUEST_SEEDS for i in range(2)]
     elif target == "path":
         seeds = [
             b"/v1/chat/completions",
@@ -134,7 +136,7 @@ def _seed_corpus(target: str, folder: Path) -> None:
             b"/?a#b",
         ]
     else:
-        seeds = [bytes([3]) + b"\x05\x10\x20\x40" + body for body in _SSE_SEEDS]
+        seeds = [body + bytes([3, 40, 90, 200, 0, 0, 0, 0]) for body in _SSE_SEEDS]
     for index, seed in enumerate(seeds):
         (folder / f"seed-{index}").write_bytes(seed)
 
@@ -157,9 +159,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("replay", nargs="*", help="inputs to replay instead of fuzzing")
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="fuzz-seeds-") as tmp:
-        seeds = Path(tmp)
+        seeds = Path(tmp) / "seeds"
+        seeds.mkdir()
         _seed_corpus(args.target, seeds)
-        dictionary = seeds / "tokens.dict"
+        dictionary = Path(tmp) / "tokens.dict"
         dictionary.write_text("".join(f'"{_escaped(token)}"\n' for token in _DICTIONARY))
         flags = [
             f"-timeout={PER_INPUT_TIMEOUT_S}",

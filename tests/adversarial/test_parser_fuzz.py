@@ -17,8 +17,8 @@ import pytest
 
 from tests.serve_support import REPO
 
-RUNS = {"request": 100_000, "path": 30_000, "sse": 4_000}
-"""Inputs per target: a few seconds each on one core."""
+RUNS = {"request": 300_000, "path": 100_000, "sse": 20_000}
+"""Inputs per target: about 5 s each on one core."""
 MAX_TIME_S = 30
 
 
