@@ -136,6 +136,7 @@ class AdminServer:
                 "draining": self.draining,
                 "tenants": snapshot.get("tenants", {}),
                 "pools": snapshot.get("pools", {}),
+                "locality": snapshot.get("locality"),
                 "state": gateway.state_view(),
             }
         )

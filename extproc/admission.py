@@ -27,6 +27,8 @@ class Grant:
     pool: str
     wait_s: float
     ratelimit_headers: dict[str, str]
+    replica: int | None = None
+    """The pool endpoint the locality index chose (fairness dlpm); None: Envoy balances."""
 
 
 @dataclass
@@ -325,6 +327,7 @@ class AdmissionController:
                 pool=admission.ticket.pool,
                 wait_s=admission.wait_s,
                 ratelimit_headers=dict(admission.ratelimit_headers),
+                replica=admission.lease.replica,
             )
         )
 

@@ -20,6 +20,7 @@ COMMAND_GROUP = "extproc.commands"
 def _policy_check(args: argparse.Namespace) -> int:
     from extproc.policy import PolicyError, load_policy
     from extproc.policy.capacity import capacity_warnings, describe_pools
+    from extproc.policy.limits import describe_limits, limit_warnings
 
     failed = False
     for file in args.files:
@@ -31,9 +32,9 @@ def _policy_check(args: argparse.Namespace) -> int:
                 print(issue, file=sys.stderr)
             continue
         print(f"{file}: ok ({len(policy.tenants)} tenants, {len(policy.pools)} pools)")
-        for line in describe_pools(policy.source):
+        for line in [*describe_pools(policy.source), *describe_limits(policy.source)]:
             print(f"  {line}")
-        for warning in capacity_warnings(policy.source):
+        for warning in [*capacity_warnings(policy.source), *limit_warnings(policy.source)]:
             print(f"{file}: {warning}", file=sys.stderr)
     return 1 if failed else 0
 

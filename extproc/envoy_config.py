@@ -77,11 +77,14 @@ from envoy_data_plane.envoy.type.v3 import HttpStatus, StatusCode
 from envoy_data_plane.google.protobuf import Any as AnyProto
 from envoy_data_plane.google.protobuf import Struct
 
+from extproc.endpoints import ENDPOINT_CLASSES
 from extproc.envoy_routes import (
     ACCOUNTING_FILTER,
     ADMISSION_FILTER,
     DRAIN_FILTER,
     local_replies,
+    pool_cluster,
+    replica_cluster,
     routes,
 )
 from extproc.policy import Policy
@@ -182,10 +185,20 @@ def _cluster(name: str, endpoints: list[str], http2: bool) -> Cluster:
 
 def admission_response_headers() -> list[str]:
     """The response headers the admission stream's forward asks for (its dynamic metadata,
-    extproc.service.processor): x-ratelimit-* of every limit dimension, and the queue wait."""
-    names = [
-        f"x-ratelimit-{kind}-{dimension.header_suffix}"
+    extproc.service.processor): x-ratelimit-* of every limit dimension, for the tenant and
+    for each endpoint class (`<suffix>-<class>`, extproc.scheduler.ratelimit), and the queue
+    wait."""
+    suffixes = [
+        suffix
         for dimension in DIMENSIONS
+        for suffix in (
+            dimension.header_suffix,
+            *(f"{dimension.header_suffix}-{endpoint}" for endpoint in ENDPOINT_CLASSES),
+        )
+    ]
+    names = [
+        f"x-ratelimit-{kind}-{suffix}"
+        for suffix in suffixes
         for kind in ("limit", "remaining", "reset")
     ]
     return [*names, QUEUE_MS_HEADER]
@@ -369,10 +382,17 @@ def build_bootstrap(policy: Policy, options: RenderOptions) -> Bootstrap:
     pool_endpoints = options.pool_endpoints or {}
     # Several ext_proc endpoints (workers on distinct ports) are comma-separated.
     clusters = [_cluster(EXTPROC_CLUSTER, options.extproc.split(","), http2=True)]
-    clusters += [
-        _cluster(f"pool_{name}", pool_endpoints.get(name, pool.endpoints), http2=False)
-        for name, pool in policy.pools.items()
-    ]
+    for name, pool in policy.pools.items():
+        endpoints = pool_endpoints.get(name, pool.endpoints)
+        clusters.append(_cluster(pool_cluster(name), endpoints, http2=False))
+        if len(pool.endpoints) > 1:
+            # One cluster per policy endpoint, for the routes on x-llm-replica (fairness
+            # dlpm), which name the endpoint by its index in the policy. An override with
+            # another count maps index i to its i-th address, cyclically.
+            clusters += [
+                _cluster(replica_cluster(name, i), [endpoints[i % len(endpoints)]], http2=False)
+                for i in range(len(pool.endpoints))
+            ]
     return Bootstrap(
         admin=Admin(address=_socket(options.admin)),
         static_resources=BootstrapStaticResources(listeners=[listener], clusters=clusters),

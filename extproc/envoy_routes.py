@@ -63,7 +63,7 @@ from extproc.errors import http_answer, too_large
 from extproc.openai_request import INFERENCE_PATHS
 from extproc.policy import Policy
 from extproc.scheduler import retry_after
-from extproc.types import POOL_HEADER, UPSTREAM_HEADER
+from extproc.types import POOL_HEADER, REPLICA_HEADER, UPSTREAM_HEADER
 
 MODELS_PATH = "/v1/models"
 ADMISSION_FILTER = "extproc.admission"
@@ -240,6 +240,19 @@ def _oversized(max_body_bytes: int) -> Route:
     )
 
 
+def pool_cluster(pool: str) -> str:
+    return f"pool_{pool}"
+
+
+def replica_cluster(pool: str, replica: int) -> str:
+    """The cluster of one endpoint of a pool with several (extproc.envoy_config)."""
+    return f"pool_{pool}_replica_{replica}"
+
+
+def _exact(header: str, value: str) -> HeaderMatcher:
+    return HeaderMatcher(name=header, string_match=StringMatcher(exact=value))
+
+
 def routes(policy: Policy, extproc_filters: bool) -> RouteConfiguration:
     # The accounting stream learns which engine served the response (to correct cut-short
     # streams from its counters, extproc.service.reconcile); the header-mutation filter
@@ -260,10 +273,16 @@ def routes(policy: Policy, extproc_filters: bool) -> RouteConfiguration:
     for path in INFERENCE_PATHS:
         # The admission filter sets x-llm-pool and clears the route cache: the second match
         # picks the pool. Before that (and without the filters) the smallest pool is chosen.
-        for pool in policy.pools:
-            chosen = HeaderMatcher(name=POOL_HEADER, string_match=StringMatcher(exact=pool))
+        for pool, spec in policy.pools.items():
+            chosen = _exact(POOL_HEADER, pool)
+            if extproc_filters and len(spec.endpoints) > 1:
+                # The locality index chose the endpoint (fairness dlpm): its own cluster.
+                for replica in range(len(spec.endpoints)):
+                    on = _exact(REPLICA_HEADER, str(replica))
+                    match = RouteMatch(path=path, headers=[_method_is("POST"), chosen, on])
+                    table.append(to_pool(match, replica_cluster(pool, replica)))
             match = RouteMatch(path=path, headers=[_method_is("POST"), chosen])
-            table.append(to_pool(match, f"pool_{pool}"))
+            table.append(to_pool(match, pool_cluster(pool)))
         table.append(to_pool(RouteMatch(path=path, headers=[_method_is("POST")]), smallest))
         table.append(_wrong_method(path, "POST"))
     table.append(to_pool(RouteMatch(path=MODELS_PATH, headers=[_method_is("GET")]), smallest))
@@ -283,5 +302,7 @@ __all__ = [
     "MODELS_PATH",
     "drain_limit",
     "local_replies",
+    "pool_cluster",
+    "replica_cluster",
     "routes",
 ]

@@ -93,12 +93,25 @@ def method_not_allowed(path: str, allowed: str) -> GatewayError:
     )
 
 
-def never_fits_rate_limit(tenant: str, budget: int, tokens_per_minute: int) -> GatewayError:
-    """A budget above the tenant's whole token bucket: no wait makes it pass, so it is the
-    request that is wrong (400), not the moment (429)."""
+def never_fits_rate_limit(tenant: str, budget: int, setting: str, capacity: int) -> GatewayError:
+    """A budget above a whole token bucket of the tenant (`setting` sizes it: its burst, or
+    its per-minute limit): no wait makes it pass, so it is the request that is wrong (400),
+    not the moment (429)."""
     return bad_request(
         f"request needs {budget} tokens (prompt + max_tokens) but tenant {tenant!r} has "
-        f"tokens_per_minute {tokens_per_minute}: it can never pass; lower max_tokens or "
-        "shorten the prompt",
+        f"{setting} {capacity}: it can never pass; lower max_tokens or shorten the prompt",
         "budget_exceeds_rate_limit",
+    )
+
+
+def overloaded(tenant: str, retry_after_s: int) -> GatewayError:
+    """The service fell behind and sheds the tenants above their fair share first: the same
+    answer as a queued request shed for it (extproc.scheduler.shares.shed_queued)."""
+    return GatewayError(
+        Outcome.SHED,
+        429,
+        f"the gateway is overloaded and tenant {tenant!r} is above its fair share; "
+        f"retry after {retry_after_s}s",
+        Outcome.SHED.value,
+        retry_after_s=retry_after_s,
     )

@@ -344,6 +344,10 @@ class TokenEstimator:
 
     # -- introspection ------------------------------------------------------------------
 
+    def chat_bytes_per_token(self) -> float:
+        """The active bytes per token of chat text (what the locality index's blocks hold)."""
+        return self._ratio[CHAT]
+
     def state(self) -> list[CategoryState]:
         return [
             CategoryState(

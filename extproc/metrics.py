@@ -254,11 +254,31 @@ class Metrics:
             "extproc_pool_drain_rate", "Completions per second, decaying average", ["pool"],
             registry=r,
         )  # fmt: skip
+        self.locality_tokens = Gauge(
+            "extproc_locality_prefix_tokens",
+            "Prompt tokens per replica of a dlpm pool: the locality index's predicted hits and "
+            "lookups, and the engine's reported ones (vllm:prefix_cache_*)",
+            ["pool", "replica", "source", "kind"], registry=r,
+        )  # fmt: skip
         self.reclaimed_leases = Counter(
             "extproc_reclaimed_leases", "Capacity leases reclaimed by the lease timeout", ["pool"],
             registry=r,
         )  # fmt: skip
         self._reclaimed_seen: dict[str, int] = {}
+        # -- the service falling behind itself (extproc.service.overload) ------------------------
+        self.shed = Counter(
+            "extproc_shed", "Requests shed because the service fell behind (reason: lag or "
+            "message_age), new or queued, of tenants above their fair share", ["reason", "tier"],
+            registry=r,
+        )  # fmt: skip
+        self.event_loop_lag = Gauge(
+            "extproc_event_loop_lag_seconds", "Latest event-loop lag sampled by the monitor",
+            registry=r,
+        )  # fmt: skip
+        self.overloaded = Gauge(
+            "extproc_overload_shedding", "1 while the service sheds tenants above their share",
+            registry=r,
+        )  # fmt: skip
 
     # -- policy reloads ---------------------------------------------------------------------------
 
@@ -310,7 +330,19 @@ class Metrics:
                 self.pool_max_inflight_tokens.labels(name).set(pool["max_inflight_tokens"])
             if pool.get("drain_rate") is not None:
                 self.pool_drain_rate.labels(name).set(pool["drain_rate"])
+        self._refresh_locality(snapshot.get("locality"))
         self._refresh_reclaimed(snapshot, pools)
+
+    def _refresh_locality(self, locality: Mapping[str, Any] | None) -> None:
+        self.locality_tokens.clear()
+        for pool, replicas in (locality or {}).get("pools", {}).items():
+            for index, row in enumerate(replicas):
+                gauge = self.locality_tokens
+                replica = str(index)
+                gauge.labels(pool, replica, "index", "hit").set(row["predicted_hit_tokens"])
+                gauge.labels(pool, replica, "index", "query").set(row["predicted_query_tokens"])
+                gauge.labels(pool, replica, "engine", "hit").set(row["engine_hit_tokens"])
+                gauge.labels(pool, replica, "engine", "query").set(row["engine_query_tokens"])
 
     def _refresh_reclaimed(self, snapshot: Mapping[str, Any], pools: Mapping[str, Any]) -> None:
         """Mirror the scheduler's reclaimed-lease totals into a counter (by pool when the

@@ -12,12 +12,16 @@ GATEWAY_REQUEST_ID_HEADER = "x-gateway-request-id"
 UPSTREAM_HEADER = "x-gateway-upstream"
 """Response header Envoy adds (the engine's address) for the accounting stream; Envoy's
 header-mutation filter removes it before the client sees the response (extproc.envoy_config)."""
+REPLICA_HEADER = "x-llm-replica"
+"""The pool endpoint (its index in the policy's `endpoints`) the locality index chose
+(fairness `dlpm`): Envoy routes on it to that endpoint's own cluster."""
 OWNED_HEADERS: tuple[str, ...] = (
     TENANT_HEADER,
     TIER_HEADER,
     POOL_HEADER,
     GATEWAY_REQUEST_ID_HEADER,
     UPSTREAM_HEADER,
+    REPLICA_HEADER,
 )
 
 PRIORITY_HEADER = "x-priority"

@@ -20,6 +20,10 @@ BENCH_SCENARIOS = {
         "calibrate_sched",
         "engine priority and long_prefill_token_threshold: emulator against vLLM (CPU)",
     ),
+    "calibrate-prefix-cache": (
+        "calibrate_prefix",
+        "prefix caching: a repeated long prompt's TTFT vs a fresh one, emulator vs vLLM (CPU)",
+    ),
     "noisy-neighbour": (
         "noisy",
         "a quiet tenant beside a flooder: FIFO, token bucket, full policy",
@@ -28,6 +32,18 @@ BENCH_SCENARIOS = {
     "tiers": ("tiers", "premium vs standard tenants over capacity: TTFT, weighted shares, waits"),
     "scaleout": ("scaleout", "admissions/s and latency with 1, 2, 4 processes, memory vs Redis"),
     "scheduler-scaling": ("sched_scaling", "scheduler CPU per admission vs queue depth"),
+    "locality": (
+        "locality",
+        "shared-prefix traffic on two replicas: VTC, DRR, DLPM (throughput, hits, gap, quiet TTFT)",
+    ),
+    "locality-sim": (
+        "locality_sim",
+        "simulated replay of a hash_ids trace (Mooncake): VTC/DRR/DLPM",
+    ),
+    "self-overload": (
+        "self_overload",
+        "a quiet tenant while the gateway itself is overloaded; kvwarden peer; phase timings",
+    ),
 }
 
 

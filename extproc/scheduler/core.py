@@ -2,8 +2,8 @@
 
 Layers, in order (ARCHITECTURE.md, "Admission order"):
 
-a. rate limits at submit (a bucket per limit dimension: requests/min, tokens/min; max_queued);
-   max_concurrency holds requests in the queue;
+a. rate limits at submit (buckets: requests/min, tokens/min, the tenant's and its endpoint
+   class's; max_queued); max_concurrency (tenant-wide and per class) holds requests queued;
 b. strict tier priority per pool;
 c. token-weighted fair share between the tenants of a tier (a registered policy: DRR, VTC),
    per pool;
@@ -84,15 +84,17 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from extproc.endpoints import EndpointClass
 from extproc.policy.model import Pool
 from extproc.policy.runtime import Policy
-from extproc.scheduler import estimates, retry_after
+from extproc.scheduler import estimates, retry_after, shares
 from extproc.scheduler.capacity import Capacity, StaticCapacity
 from extproc.scheduler.clock import Clock
 from extproc.scheduler.dispatch import Dispatcher, dispatchable_now
 from extproc.scheduler.leases import Leases
 from extproc.scheduler.limits import LimitStore, MemoryLimitStore, Take
 from extproc.scheduler.live import CapacityFactory, Live
+from extproc.scheduler.locality import LocalityIndex
 from extproc.scheduler.policy_update import apply_policy
 from extproc.scheduler.ratelimit import headers_for
 from extproc.scheduler.records import OrderKey, QueueEntry
@@ -157,6 +159,11 @@ class Scheduler:
         return self._live.limiter.store
 
     @property
+    def locality(self) -> LocalityIndex:
+        """What each pool's replicas are believed to hold (fairness `dlpm`; else empty)."""
+        return self._live.locality
+
+    @property
     def membership_version(self) -> int:
         """Bumped whenever a tenant starts or stops competing for a pool (see `backlogged`)."""
         return self._live.membership_version
@@ -195,14 +202,14 @@ class Scheduler:
         rank = live.rank(spec)
         queue = state.queue(ticket.pool)
         if state.queued >= spec.limits.max_queued and not dispatchable_now(
-            state, spec, pool, rank, budget
+            state, spec, pool, rank, ticket
         ):
             retry = estimates.queue_full_retry_after(state, now)
             message = (
                 f"tenant {ticket.tenant!r} already has {state.queued} requests queued "
                 f"(max_queued {spec.limits.max_queued}); retry after {retry}s"
             )
-            peeked = live.limiter.peek_headers(ticket.tenant, spec, now)
+            peeked = live.limiter.peek_headers(ticket.tenant, ticket.endpoint, spec, now)
             return reject(ticket, Outcome.REJECTED_QUEUE_FULL, 429, retry, message, peeked)
 
         if ticket.deadline is not None:
@@ -244,7 +251,7 @@ class Scheduler:
         spec = live.policy.source.tenants[ticket.tenant]
         self._seq = seq = self._seq + 1
         limiter = live.limiter
-        buckets = limiter.buckets(ticket.tenant, spec)
+        buckets = limiter.buckets(ticket.tenant, ticket.endpoint, spec)
         headers: dict[str, str] = {}
         charged: dict[str, float] = {}
         if buckets:
@@ -255,13 +262,13 @@ class Scheduler:
             headers = headers_for(zip(buckets, result.levels, strict=True))
             if not result.ok:
                 return rate_limited(ticket, charges, result.levels, result.wait_s, headers)
-            charged = {item.dimension.name: cost for item, cost in charges}
+            charged = {item.name: cost for item, cost in charges}
         key = self._order_key(ticket, now, seq)
         expires_at = now + spec.limits.max_queue_wait
         entry = QueueEntry(ticket, seq, key, now, expires_at, headers, charged)
         state = live.enqueue(entry)
-        if ticket.pool not in state.bands:
-            # a band member stays one when its queue grows: nothing else to bring in step
+        if ticket.pool not in state.bands or spec.limits.class_concurrency:
+            # a member stays one as its queue grows, unless a new head's class is at its limit
             live.sync(state, ticket.pool)
         return None
 
@@ -370,6 +377,19 @@ class Scheduler:
             out.append(reject(entry.ticket, Outcome.UNAVAILABLE, 503, retry_after_s, message))
         return out
 
+    def over_share(self) -> set[str]:
+        """Tenants above their fair share now (extproc.scheduler.shares): the ones shed first
+        when the service itself falls behind. O(tenants + active tenants per pool)."""
+        return shares.over_share(self._live, self.clock.now())
+
+    def shed_queued_of(self, tenants: set[str], message: str) -> list[Rejection]:
+        """Answer the queued requests of `tenants` (overload): 429 + Retry-After, refunded."""
+        return shares.shed_queued(self._live, tenants, self.clock.now(), message)
+
+    def shed_retry_after(self, ticket: Ticket) -> int:
+        """Retry-After for a request shed before it queued: the shed rule for its pool."""
+        return shares.shed_retry_after(self._live, ticket, self.clock.now())
+
     # --- leases ---------------------------------------------------------------------------------
 
     def charge_output(self, lease_id: int, tokens: int) -> bool:
@@ -403,13 +423,17 @@ class Scheduler:
         self._leases.free(held)
         return True
 
-    def correct_usage(self, tenant: str, pool: str, input_delta: int, output_delta: int) -> None:
+    def correct_usage(
+        self,
+        tenant: str,
+        pool: str,
+        input_delta: int,
+        output_delta: int,
+        endpoint: EndpointClass = "chat",
+    ) -> None:
         """A settled request's count turned out different (extproc.service.reconcile): move
-        the tenant's token bucket and fair-share counter by the difference."""
-        fairness = self._live.policy.source.fairness
-        cost = fairness.input_weight * input_delta + fairness.output_weight * output_delta
-        now = self.clock.now()
-        self._leases.charge_difference(tenant, pool, input_delta + output_delta, cost, now)
+        the token buckets (the tenant's, its class's) and fair share by the difference."""
+        self._leases.correct(tenant, pool, endpoint, input_delta, output_delta, self.clock.now())
 
     def pool_inflight(self, pool: str) -> int:
         """Requests admitted to the pool and not yet released."""

@@ -7,11 +7,11 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from extproc.policy.model import Tenant
-from extproc.scheduler.live import Live, below_concurrency
+from extproc.scheduler.live import Live, below_class_concurrency, below_concurrency
 from extproc.scheduler.pools import PoolState
 from extproc.scheduler.queues import TenantState
 from extproc.scheduler.records import Hold, PoolUsage, QueueEntry
-from extproc.scheduler.types import Admission
+from extproc.scheduler.types import Admission, Ticket
 
 _NO_USAGE = PoolUsage()
 
@@ -163,10 +163,12 @@ class Dispatcher:
 
 
 def dispatchable_now(
-    state: TenantState, spec: Tenant, pool: PoolState, rank: int, budget: int
+    state: TenantState, spec: Tenant, pool: PoolState, rank: int, ticket: Ticket
 ) -> bool:
     """Would a new request go straight through (so it never occupies a queue slot)?"""
-    if not below_concurrency(state, spec) or not pool.capacity.fits(budget):
+    if not below_concurrency(state, spec) or not pool.capacity.fits(ticket.budget):
+        return False
+    if not below_class_concurrency(state, spec, ticket.endpoint):
         return False
     if pool.held is not None and pool.held.rank <= rank:
         return False

@@ -3,7 +3,8 @@ real usage, and freeing the lease's capacity exactly once."""
 
 from __future__ import annotations
 
-from extproc.scheduler.live import Live, below_concurrency
+from extproc.endpoints import EndpointClass
+from extproc.scheduler.live import Live, below_class_concurrency, below_concurrency
 from extproc.scheduler.pools import PoolState
 from extproc.scheduler.records import LeaseState, PoolUsage, QueueEntry
 from extproc.scheduler.types import Admission, Lease
@@ -35,10 +36,13 @@ class Leases:
         used.requests += 1
         used.tokens += budget
         state.inflight += 1
+        by_class = state.inflight_by_class
+        by_class[ticket.endpoint] = by_class.get(ticket.endpoint, 0) + 1
         state.inflight_tokens += budget
         cost = live.fair_cost(ticket)
         band.fair.on_dispatch(state.name, cost)
         self._lease_seq += 1
+        replica = live.locality.route(pool.name, ticket.prefix_blocks, ticket.input_tokens)
         lease = Lease(
             lease_id=self._lease_seq,
             request_id=ticket.request_id,
@@ -48,6 +52,7 @@ class Leases:
             budget=budget,
             admitted_at=now,
             expires_at=now + live.policy.source.gateway.lease_timeout,
+            replica=replica,
         )
         reserved = ticket.max_output_tokens if live.reserve_output else 0
         live.leases[lease.lease_id] = LeaseState(lease, ticket, reserved, cost, entry=entry)
@@ -56,7 +61,7 @@ class Leases:
         state.dispatches.record(now)
         state.served_requests += 1
         state.served_tokens += budget
-        if below_concurrency(state, spec):
+        if below_concurrency(state, spec) and below_class_concurrency(state, spec, ticket.endpoint):
             live.sync(state, pool.name)
         else:
             live.sync_all(state)
@@ -100,13 +105,28 @@ class Leases:
         self.charge_difference(
             ticket.tenant,
             held.lease.pool,
+            ticket.endpoint,
             in_tokens + out_tokens - ticket.budget,
             final - held.fair_charged,
             now,
         )
 
+    def correct(
+        self, tenant: str, pool: str, endpoint: EndpointClass, d_in: int, d_out: int, now: float
+    ) -> None:
+        """A later correction of a settled request's input and output tokens."""
+        fairness = self._live.policy.source.fairness
+        cost = fairness.input_weight * d_in + fairness.output_weight * d_out
+        self.charge_difference(tenant, pool, endpoint, d_in + d_out, cost, now)
+
     def charge_difference(
-        self, tenant: str, pool: str, delta_tokens: int, delta_cost: float, now: float
+        self,
+        tenant: str,
+        pool: str,
+        endpoint: EndpointClass,
+        delta_tokens: int,
+        delta_cost: float,
+        now: float,
     ) -> None:
         """Move a tenant's served tokens, usage-settled buckets and fair-share counter by what
         its real usage differs from what was charged."""
@@ -116,7 +136,7 @@ class Leases:
             state.served_tokens += delta_tokens
         spec = live.policy.tenant(tenant)
         if spec is not None:
-            live.limiter.settle(tenant, spec, delta_tokens, now)
+            live.limiter.settle(tenant, endpoint, spec, delta_tokens, now)
         band = live.band_of(tenant, pool)
         if band is not None and delta_cost != 0:
             band.fair.charge(tenant, delta_cost)
@@ -126,11 +146,19 @@ class Leases:
         lease = held.lease
         state = live.tenants[lease.tenant]
         spec = live.policy.tenant(lease.tenant)
-        was_blocked = spec is not None and not below_concurrency(state, spec)
+        endpoint = held.ticket.endpoint
+        was_blocked = spec is not None and not (
+            below_concurrency(state, spec) and below_class_concurrency(state, spec, endpoint)
+        )
         state.inflight -= 1
+        by_class = state.inflight_by_class
+        by_class[endpoint] -= 1
+        if not by_class[endpoint]:
+            del by_class[endpoint]
         state.inflight_tokens -= lease.budget
         pool = live.pools[lease.pool]
         pool.capacity.release(lease.budget)
+        live.locality.finished(lease.pool, lease.replica)
         used = pool.users.get(lease.tenant)
         if used is not None:
             used.requests -= 1

@@ -5,12 +5,15 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from extproc.endpoints import EndpointClass
 from extproc.policy.model import Pool, Tenant
 from extproc.policy.runtime import Policy
 from extproc.scheduler.capacity import Capacity
+from extproc.scheduler.fairness import LocalityAware
 from extproc.scheduler.limits import LimitStore
+from extproc.scheduler.locality import LocalityIndex
 from extproc.scheduler.pools import Band, PoolState, new_bands
-from extproc.scheduler.queues import TenantState, Timers
+from extproc.scheduler.queues import TenantQueue, TenantState, Timers
 from extproc.scheduler.ratelimit import RateLimiter
 from extproc.scheduler.rates import DecayingRate
 from extproc.scheduler.records import LeaseState, QueueEntry
@@ -45,19 +48,34 @@ class Live:
         self.parked: set[tuple[str, str]] = set()
         self.membership_version = 0
         """Bumped whenever a tenant starts or stops competing for a pool."""
+        self.locality = LocalityIndex(policy)
         self.pools: dict[str, PoolState] = {
             name: self.new_pool(name, spec) for name, spec in policy.pools.items()
         }
 
     # --- construction ---------------------------------------------------------------------------
 
-    def new_bands(self) -> list[Band]:
+    def new_bands(self, pool_name: str) -> list[Band]:
         source = self.policy.source
-        return new_bands(source.tiers, source.fairness)
+        bands = new_bands(source.tiers, source.fairness)
+        for band in bands:
+            if isinstance(band.fair, LocalityAware):
+                band.fair.bind_locality(self._head_cached_tokens(pool_name))
+        return bands
+
+    def _head_cached_tokens(self, pool_name: str) -> Callable[[str], float]:
+        """For a locality-aware band: the cached prefix of a member's head request."""
+        tenants, locality = self.tenants, self.locality
+
+        def cached(tenant: str) -> float:
+            ticket = tenants[tenant].queues[pool_name].head().ticket
+            return locality.cached_tokens(pool_name, ticket.prefix_blocks)
+
+        return cached
 
     def new_pool(self, name: str, spec: Pool) -> PoolState:
         drain = DecayingRate(self._drain_halflife_s, self._min_drain_samples)
-        return PoolState(name, self._capacity_factory(name, spec), self.new_bands(), drain)
+        return PoolState(name, self._capacity_factory(name, spec), self.new_bands(name), drain)
 
     def tenant(self, name: str) -> TenantState:
         state = self.tenants.get(name)
@@ -100,11 +118,16 @@ class Live:
         want: Band | None = None
         spec = self.policy.tenant(state.name)
         if (
-            live
+            queue is not None
+            and live
             and pool is not None
             and not pool.retired
             and spec is not None
             and below_concurrency(state, spec)
+            and (
+                not spec.limits.class_concurrency
+                or head_below_class_concurrency(state, spec, queue)
+            )
             and (pool_name, state.name) not in self.parked
         ):
             want = pool.bands[self.rank(spec)]
@@ -188,3 +211,17 @@ class Live:
 def below_concurrency(state: TenantState, spec: Tenant) -> bool:
     limit = spec.limits.max_concurrency
     return limit is None or state.inflight < limit
+
+
+def below_class_concurrency(state: TenantState, spec: Tenant, endpoint: EndpointClass) -> bool:
+    """Below the max_concurrency of the class's `per_endpoint` block (if it sets one)."""
+    block = spec.limits.per_endpoint.get(endpoint)
+    limit = None if block is None else block.max_concurrency
+    return limit is None or state.inflight_by_class.get(endpoint, 0) < limit
+
+
+def head_below_class_concurrency(state: TenantState, spec: Tenant, queue: TenantQueue) -> bool:
+    """The head of the tenant's queue is of a class below its concurrency limit. Tenant order
+    is never broken, so a head of a class at its limit holds the tenant back in that pool (the
+    way the tenant's own max_concurrency does in every pool)."""
+    return below_class_concurrency(state, spec, queue.head().ticket.endpoint)

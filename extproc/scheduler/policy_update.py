@@ -14,7 +14,12 @@ from extproc.types import Outcome
 def apply_policy(live: Live, policy: Policy, now: float) -> list[Rejection]:
     """Changing the tier list or the fairness settings restarts fair-share state."""
     old = live.policy
+    for name, changed in policy.tenants.items():
+        previous = old.tenant(name)
+        if previous is not None:
+            live.limiter.rebase(name, previous, changed, now)
     live.policy = policy
+    live.locality.update(policy)
     out: list[Rejection] = []
     for name, pool_spec in policy.pools.items():
         pool = live.pools.get(name)
@@ -33,7 +38,7 @@ def apply_policy(live: Live, policy: Policy, now: float) -> list[Rejection]:
         for state in live.tenants.values():
             state.bands.clear()
         for pool in live.pools.values():
-            pool.bands = live.new_bands()
+            pool.bands = live.new_bands(pool.name)
             pool.held = None
     for entry in list(live.entries.values()):
         ticket = entry.ticket

@@ -7,6 +7,7 @@ from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from heapq import heapify, heappop, heappush
 
+from extproc.endpoints import EndpointClass
 from extproc.scheduler.pools import Band
 from extproc.scheduler.rates import DecayingRate
 from extproc.scheduler.records import OrderKey, QueueEntry
@@ -76,6 +77,7 @@ class TenantState:
         "bands",
         "dispatches",
         "inflight",
+        "inflight_by_class",
         "inflight_tokens",
         "name",
         "queued",
@@ -93,6 +95,8 @@ class TenantState:
         self.dispatches = dispatches
         self.queued = 0
         self.inflight = 0
+        self.inflight_by_class: dict[EndpointClass, int] = {}
+        """Admitted requests per endpoint class (for the classes' max_concurrency)."""
         self.inflight_tokens = 0
         self.served_requests = 0
         self.served_tokens = 0

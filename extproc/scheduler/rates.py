@@ -45,3 +45,10 @@ class DecayingRate:
             return None
         decayed = self._sum * math.exp(-max(0.0, now - self._last) / self._tau)
         return decayed / warmup
+
+    def level(self, now: float) -> float:
+        """The decayed sum without the warm-up correction: it tends to the rate from below,
+        so a stream that began lately reads low, never high (for comparing streams)."""
+        if self._first is None:
+            return 0.0
+        return self._sum * math.exp(-max(0.0, now - self._last) / self._tau)

@@ -45,12 +45,12 @@ def rate_limited(
         item, cost = next((b, c) for b, c in charges if c > b.bucket.capacity)
         message = (
             f"request needs {int(cost)} tokens (prompt + max_tokens) but tenant "
-            f"{ticket.tenant!r} has {item.dimension.policy_field} {int(item.bucket.capacity)}: "
+            f"{ticket.tenant!r} has {item.capacity_setting} {int(item.bucket.capacity)}: "
             "it can never pass; lower max_tokens or shorten the prompt"
         )
         return reject(ticket, Outcome.REJECTED_RATE, 429, None, message, headers)
     short = [
-        item.dimension.policy_field
+        item.rate_setting
         for (item, cost), level in zip(charges, levels, strict=True)
         if level < cost
     ]

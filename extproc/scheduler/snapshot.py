@@ -23,11 +23,13 @@ def snapshot(live: Live, now: float, reclaimed_leases: int) -> dict[str, Any]:
             "queued": state.queued if state else 0,
             "inflight": state.inflight if state else 0,
             "inflight_tokens": state.inflight_tokens if state else 0,
+            "inflight_by_endpoint": dict(state.inflight_by_class) if state else {},
             "served_requests": state.served_requests if state else 0,
             "served_tokens": state.served_tokens if state else 0,
         }
         if spec is not None:
             item["buckets"] = live.limiter.levels(name, spec, now)
+            item["bucket_limits"] = live.limiter.describe(name, spec)
             rank = live.rank(spec)
             item["fair_share"] = {
                 pool_name: pool.bands[rank].fair.level(name)
@@ -49,7 +51,7 @@ def snapshot(live: Live, now: float, reclaimed_leases: int) -> dict[str, Any]:
             else {"tier": pool.bands[held.rank].tier, "tenant": held.tenant},
             "retired": pool.retired,
         }
-    return {
+    out: dict[str, Any] = {
         "tenants": tenants,
         "pools": pools,
         "queued": len(live.entries),
@@ -57,3 +59,6 @@ def snapshot(live: Live, now: float, reclaimed_leases: int) -> dict[str, Any]:
         "reclaimed_leases": reclaimed_leases,
         "fairness": policy.source.fairness.policy,
     }
+    if live.locality.enabled:
+        out["locality"] = live.locality.describe()
+    return out

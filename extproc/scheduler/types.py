@@ -26,6 +26,9 @@ class Ticket:
     """Absolute clock time by which the request must be admitted, or None."""
     endpoint: EndpointClass = "chat"
     """The class of the endpoint called (extproc.endpoints): which limits apply."""
+    prefix_blocks: tuple[int, ...] = ()
+    """Chained names of the prompt's byte blocks (extproc.scheduler.locality), when the
+    policy's fairness is `dlpm`; empty otherwise."""
 
     def __post_init__(self) -> None:
         if self.input_tokens < 0 or self.max_output_tokens < 0:
@@ -50,6 +53,9 @@ class Lease:
     admitted_at: float
     expires_at: float
     """After this the lease is reclaimed as if released (a lost release must not leak)."""
+    replica: int | None = None
+    """The pool endpoint (index into its `endpoints`) the locality index chose; None: Envoy
+    balances the pool's endpoints."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -21,6 +21,7 @@ from extproc.scheduler import MonotonicClock
 from extproc.scheduler.adaptive import EngineCapacities
 from extproc.service.engine_poller import EnginePoller
 from extproc.service.gateway import Gateway
+from extproc.service.overload import OverloadDetector
 from extproc.service.reconcile import EngineLedger, ReconcileHooks, Reconciler
 from extproc.service.request import Settlement
 from extproc.state import build_admission
@@ -66,8 +67,17 @@ def compose_core(policy: Policy, metrics: Metrics | None = None, sole_client: bo
         )
         reconciler = Reconciler(ledger, hooks, engine_poller)
         settlement.reconciler = reconciler
+    overload = OverloadDetector(policy.source.gateway, scheduler.over_share)
     gateway = Gateway(
-        policy, metrics, estimator, scheduler, admission, settlement, reconciler, engine_poller
+        policy,
+        metrics,
+        estimator,
+        scheduler,
+        admission,
+        settlement,
+        reconciler,
+        engine_poller,
+        overload,
     )
     gateway.track_engines(policy)
     return Core(gateway, clock, capacities, admission)

@@ -14,7 +14,11 @@ RUNNING = "vllm:num_requests_running"
 KV_USAGE = ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc")
 PROMPT_TOKENS = "vllm:prompt_tokens_total"
 GENERATION_TOKENS = "vllm:generation_tokens_total"
-_WANTED = (WAITING, RUNNING, *KV_USAGE, PROMPT_TOKENS, GENERATION_TOKENS)
+PREFIX_QUERIES = "vllm:prefix_cache_queries_total"
+PREFIX_HITS = "vllm:prefix_cache_hits_total"
+_WANTED = (
+    WAITING, RUNNING, *KV_USAGE, PROMPT_TOKENS, GENERATION_TOKENS, PREFIX_QUERIES, PREFIX_HITS,
+)  # fmt: skip
 
 
 @dataclass(frozen=True, slots=True)
@@ -28,6 +32,11 @@ class EngineReading:
     """Counter: prompt tokens of every request the engine prefilled (aborted ones too)."""
     generation_tokens: float = 0.0
     """Counter: every token the engine generated (aborted requests' too)."""
+    prefix_queries: float | None = None
+    """Counter: prompt tokens looked up in the prefix cache (None: the engine has no cache
+    metrics, e.g. prefix caching off)."""
+    prefix_hits: float | None = None
+    """Counter: of those, tokens found cached."""
 
     @property
     def idle(self) -> bool:
@@ -68,4 +77,6 @@ def parse_engine_metrics(text: str) -> EngineReading | None:
         kv,
         values.get(PROMPT_TOKENS, 0.0),
         values.get(GENERATION_TOKENS, 0.0),
+        values.get(PREFIX_QUERIES),
+        values.get(PREFIX_HITS),
     )

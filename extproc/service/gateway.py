@@ -14,12 +14,15 @@ import contextlib
 import time
 
 from extproc.admission import AdmissionController, Grant
+from extproc.errors import overloaded
 from extproc.estimation import TokenEstimator
 from extproc.metrics import Metrics
 from extproc.openai_request import PromptParts
 from extproc.policy import Policy
 from extproc.scheduler import Scheduler, Ticket
 from extproc.service.engine_poller import EnginePoller
+from extproc.service.locality_feedback import LocalityFeedback
+from extproc.service.overload import LagMonitor, OverloadDetector
 from extproc.service.ports import AccountedLease
 from extproc.service.reconcile import EngineLedger, Reconciler
 from extproc.service.remote import RemoteRequestLease
@@ -41,6 +44,7 @@ class Gateway:
         settlement: Settlement,
         reconciler: Reconciler | None,
         engine_poller: EnginePoller,
+        overload: OverloadDetector,
     ) -> None:
         self._policy = policy
         self.metrics = metrics
@@ -55,6 +59,12 @@ class Gateway:
         self._remote: dict[str, RemoteRequestLease] = {}
         """Accounting streams of requests admitted by another process (shared state only)."""
         self._reconciling = False
+        self.locality_feedback = LocalityFeedback(
+            scheduler.locality, engine_poller, bytes_per_token=estimator.chat_bytes_per_token
+        )
+        self.overload = overload
+        """Is the service falling behind, and whom to shed (extproc.service.overload)."""
+        self._lag_monitor = LagMonitor(overload, self._after_overload_sample)
 
     @property
     def policy(self) -> Policy:
@@ -70,6 +80,8 @@ class Gateway:
         """Connect the admission state store (Redis) and start its background tasks; a no-op
         for the memory store. Call before serving (otherwise the first request starts them)."""
         await self._admission.start()
+        self.locality_feedback.start()
+        self._lag_monitor.start()
         reconciler = self.reconciler
         if reconciler is not None and not self._reconciling:
             self._reconciling = True
@@ -80,6 +92,7 @@ class Gateway:
             reconciler.start()
 
     async def close(self) -> None:
+        await self._lag_monitor.stop()
         await self.engine_poller.stop()
         await self._admission.close()
 
@@ -96,6 +109,7 @@ class Gateway:
         the queued requests of removed tenants, which are answered with a clear error.
         Returns how many queued requests were answered that way."""
         self._policy = policy
+        self.overload.configure(policy.source.gateway)
         self.estimator.configure(policy.source.estimation)
         self.track_engines(policy)
         return self._admission.update_policy(policy)
@@ -117,6 +131,8 @@ class Gateway:
         return self.scheduler.clock.now()
 
     def submit(self, ticket: Ticket) -> asyncio.Future[Grant]:
+        if self.overload.sheds(ticket.tenant):
+            return self._shed_new(ticket)
         return self._admission.submit(ticket)
 
     def cancel(self, request_id: str) -> None:
@@ -130,6 +146,35 @@ class Gateway:
 
     def admission_stream_ended(self, request: Request) -> None:
         self._settlement.admission_ended(request)
+
+    # -- the service falling behind (extproc.service.overload) -------------------------------
+
+    def _shed_new(self, ticket: Ticket) -> asyncio.Future[Grant]:
+        turn: asyncio.Future[Grant] = asyncio.get_running_loop().create_future()
+        turn.set_exception(overloaded(ticket.tenant, self.scheduler.shed_retry_after(ticket)))
+        self._count_shed(ticket.tenant)
+        return turn
+
+    def _after_overload_sample(self, shedding: bool) -> None:
+        self.metrics.event_loop_lag.set(self.overload.lag_s)
+        self.metrics.overloaded.set(1 if shedding else 0)
+        if not shedding or not self.overload.shed_set:
+            return
+        rejections = self.scheduler.shed_queued_of(
+            set(self.overload.shed_set),
+            "the gateway is overloaded and this tenant is above its fair share: queued "
+            "request shed",
+        )
+        if rejections:
+            for rejection in rejections:
+                self._count_shed(rejection.tenant)
+            self._admission.resolve(rejections)
+            self._admission.pump()
+
+    def _count_shed(self, tenant: str) -> None:
+        spec = self._policy.tenant(tenant)
+        tier = spec.tier if spec is not None else "unknown"
+        self.metrics.shed.labels(self.overload.reason or "lag", tier).inc()
 
     # -- AccountingPort -----------------------------------------------------------------------
 

@@ -277,7 +277,9 @@ class Service:
         self.admin.gateway = gateway
         self.admin.reloader = self.reloader
         self.engine_watch.start()
-        self.server, self.grpc_port = await start_grpc_server(gateway, options.grpc)
+        self.server, self.grpc_port = await start_grpc_server(
+            gateway, options.grpc, gateway.overload
+        )
         self.admin.serving = True
         self.metrics.ready.set(1)
         self.reloader.start()

@@ -43,7 +43,8 @@ from extproc.openai_request import (
 )
 from extproc.policy.hold import hold_needed
 from extproc.routing import choose_pool
-from extproc.scheduler import Ticket
+from extproc.scheduler import Ticket, prefix_blocks, render_prompt
+from extproc.scheduler.ratelimit import capacity_exceeded
 from extproc.service import responses
 from extproc.service.ports import AdmissionPort
 from extproc.service.request import Request
@@ -55,6 +56,7 @@ from extproc.types import (
     POOL_HEADER,
     PRIORITY_HEADER,
     QUEUE_MS_HEADER,
+    REPLICA_HEADER,
     TENANT_HEADER,
     TIER_HEADER,
     Outcome,
@@ -142,6 +144,8 @@ class AdmissionProcessor:
         ]
         if state.pool is not None:
             values.append((POOL_HEADER, state.pool))
+        if state.grant is not None and state.grant.replica is not None:
+            values.append((REPLICA_HEADER, str(state.grant.replica)))
         removed = [
             h for h in OWNED_HEADERS if h in self._headers and all(h != name for name, _ in values)
         ]
@@ -198,10 +202,10 @@ class AdmissionProcessor:
             max_output = request.max_tokens or self.policy.source.gateway.default_max_tokens
             state.budget = state.prompt_estimate + max_output
             state.pool = choose_pool(self.policy, state.budget)
-            tokens_per_minute = self.policy.tenants[state.tenant].limits.tokens_per_minute
-            if tokens_per_minute is not None and state.budget > tokens_per_minute:
-                raise never_fits_rate_limit(state.tenant, state.budget, tokens_per_minute)
             ticket = self._ticket(max_output)
+            exceeded = capacity_exceeded(ticket, self.policy.tenants[state.tenant].limits)
+            if exceeded is not None:
+                raise never_fits_rate_limit(state.tenant, state.budget, *exceeded)
         except GatewayError as error:
             yield self._reject(error)
             return
@@ -280,7 +284,17 @@ class AdmissionProcessor:
             priority=priority,
             deadline=None if relative is None else self.port.now() + relative,
             endpoint=endpoint_class(state.path) or "chat",
+            prefix_blocks=self._prefix_blocks(),
         )
+
+    def _prefix_blocks(self) -> tuple[int, ...]:
+        """The prompt's block names for the locality index (fairness dlpm only)."""
+        fairness = self.policy.source.fairness
+        prompt = self.state.prompt
+        if fairness.policy != "dlpm" or prompt is None:
+            return ()
+        data = render_prompt(prompt.texts, prompt.tools_json)
+        return prefix_blocks(data, fairness.locality.block_bytes)
 
     def finish(self) -> None:
         """Runs when the stream ends, however it ends: release, count, log."""

@@ -29,6 +29,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from extproc.endpoints import EndpointClass
 from extproc.service.engine_metrics import EngineReading
 from extproc.service.engine_poller import EnginePoller, Readings
 
@@ -45,6 +46,8 @@ class CutShort:
     input_tokens: int
     output_tokens: int
     at: float
+    endpoint: EndpointClass = "chat"
+    """Its endpoint class: a correction moves that class's token bucket too."""
 
 
 @dataclass(frozen=True, slots=True)

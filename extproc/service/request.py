@@ -21,6 +21,7 @@ from typing import Any
 import orjson
 
 from extproc.admission import AdmissionController, Grant
+from extproc.endpoints import endpoint_class
 from extproc.errors import GatewayError
 from extproc.estimation import TokenEstimator
 from extproc.metrics import UNKNOWN_TENANT, InterTokenClock, Metrics
@@ -211,7 +212,13 @@ class Settlement:
                 input_tokens = 0
             if ledger is not None and engine is not None and pool is not None:
                 item = CutShort(
-                    request.request_id, tenant, pool, input_tokens, output_tokens, time.monotonic()
+                    request.request_id,
+                    tenant,
+                    pool,
+                    input_tokens,
+                    output_tokens,
+                    time.monotonic(),
+                    endpoint_class(request.path) or "chat",
                 )
                 deferred = ledger.cut_short(engine, item)
         request.usage_input, request.usage_output = input_tokens, output_tokens
@@ -254,6 +261,7 @@ class Settlement:
             item.pool,
             correction.input_tokens - item.input_tokens,
             correction.output_tokens - item.output_tokens,
+            item.endpoint,
         )
         self.count_tokens(item.tenant, correction.input_tokens, correction.output_tokens)
 

@@ -13,6 +13,7 @@ from envoy.service.ext_proc.v3.external_processor_pb2 import (
 )
 
 from extproc.service.accounting import AccountingProcessor
+from extproc.service.overload import OverloadDetector
 from extproc.service.ports import StreamPorts
 from extproc.service.processor import AdmissionProcessor
 from extproc.service.roles import ACCOUNTING_ROLE, ROLE_METADATA
@@ -31,8 +32,10 @@ GRPC_SERVER_OPTIONS: list[tuple[str, int]] = [
 
 
 class ExternalProcessorService(ext_proc_grpc.ExternalProcessorServicer):  # type: ignore[misc]
-    def __init__(self, ports: StreamPorts) -> None:
+    def __init__(self, ports: StreamPorts, overload: OverloadDetector | None = None) -> None:
         self.ports = ports
+        self.overload = overload
+        """Told which admission streams Envoy waits on (their age is an overload signal)."""
 
     async def Process(
         self,
@@ -43,6 +46,9 @@ class ExternalProcessorService(ext_proc_grpc.ExternalProcessorServicer):  # type
             await self._account(request_iterator)
             return
         processor = AdmissionProcessor(self.ports)
+        overload = self.overload
+        if overload is not None:
+            overload.stream_opened(processor)
         try:
             # Once the request is forwarded or answered nothing more is asked of this stream
             # (the response phases are not sent to it): end it then with OK, which Envoy takes
@@ -51,6 +57,8 @@ class ExternalProcessorService(ext_proc_grpc.ExternalProcessorServicer):  # type
             async for request in request_iterator:
                 if request.HasField("request_body"):
                     async for response in processor.on_request_body(request.request_body):
+                        if overload is not None:
+                            overload.stream_answered(processor)  # answered or held
                         yield response
                     return
                 if request.HasField("request_headers"):
@@ -64,6 +72,8 @@ class ExternalProcessorService(ext_proc_grpc.ExternalProcessorServicer):  # type
             log.exception("ext_proc stream failed (request %s)", processor.request_id)
             raise
         finally:
+            if overload is not None:
+                overload.stream_answered(processor)
             processor.finish()
 
     async def _account(self, request_iterator: AsyncIterator[ProcessingRequest]) -> None:
@@ -84,9 +94,12 @@ class ExternalProcessorService(ext_proc_grpc.ExternalProcessorServicer):  # type
             processor.finish()
 
 
-async def start_grpc_server(ports: StreamPorts, address: str) -> tuple[grpc.aio.Server, int]:
+async def start_grpc_server(
+    ports: StreamPorts, address: str, overload: OverloadDetector | None = None
+) -> tuple[grpc.aio.Server, int]:
     server = grpc.aio.server(options=GRPC_SERVER_OPTIONS)
-    ext_proc_grpc.add_ExternalProcessorServicer_to_server(ExternalProcessorService(ports), server)
+    servicer = ExternalProcessorService(ports, overload)
+    ext_proc_grpc.add_ExternalProcessorServicer_to_server(servicer, server)
     port = server.add_insecure_port(address)
     if port == 0:
         raise OSError(f"cannot bind the gRPC server to {address}")

@@ -5,13 +5,15 @@ fair share -> tenant order. What must hold across processes is decided in Redis,
 in one Lua script per batch of operations (extproc/state/admission.lua, operations in
 extproc.state.ops):
 
-1. **submit** -- the tenant's requests/tokens buckets are taken in Redis (all or nothing, exact
+1. **submit** -- the request's requests/tokens buckets (the tenant's and its endpoint
+   class's) are taken in Redis (all or nothing, exact
    Retry-After from the server's clock) before the request joins the local queue. When nothing
    waits for the pool here and the local view says it fits (the common, uncontended case),
    the same round trip also runs the gate below: a *pre-grant* the local scheduler then uses
    when it dispatches the request (released if the request leaves the queue otherwise);
 2. **gate** -- an admission the local scheduler chose is *tentative* until Redis grants it: pool
-   capacity (a lease set with expiry), the tenant's concurrency (another lease set), strict tier
+   capacity (a lease set with expiry), the tenant's concurrency (another lease set; one more
+   for a class with its own max_concurrency), strict tier
    priority (no higher tier waiting for the pool on any process) and fair share (the tenant's
    shared virtual token counter within `fair_slack` of the least-served tenant waiting in its
    tier, on any process). Refused, the admission is undone (`Scheduler.requeue`): for lack of
@@ -19,7 +21,7 @@ extproc.state.ops):
    parked in that pool until a release event or the re-check timer (every ~25 ms);
 3. **backlog registry** -- which tenants wait for which pool on this process is published (and
    heart-beaten, `backlog_ttl`), so the other processes' gates see it;
-4. **release** -- exactly once, in Redis, by request id: settles the tokens bucket and the fair
+4. **release** -- exactly once, in Redis, by request id: settles the token buckets and the fair
    share against real usage and frees capacity, then publishes an event that wakes the other
    processes. The accounting stream may run on another process than the admission stream: it
    settles through Redis by request id (`attach_remote` / `settle_remote`); the admitting

@@ -14,6 +14,7 @@
 --     pl:<pool>             zset  request id -> lease expiry (ms)      pool capacity leases
 --     pb:<pool>             hash  request id -> "budget|tenant|owner", _sum = total budget
 --     tl:<tenant>           zset  request id -> lease expiry (ms)      tenant concurrency
+--     tl:<tenant>:<class>   zset  the same, for an endpoint class with a max_concurrency
 --     lease:<request id>    hash  what settlement needs (tenant, pool, estimates, charges...)
 --     vtc:<pool>:<rank>     hash  tenant -> virtual token counter, _floor
 --     bl:<pool>:<rank>      zset  "tenant|replica" -> expiry (ms)      who waits for the pool
@@ -216,6 +217,8 @@ local function drop_lease(pool, rid)
   redis.call('HDEL', pb, rid)
   redis.call('HINCRBY', pb, '_sum', -tonumber(budget))
   if tenant ~= '' then redis.call('ZREM', P .. 'tl:' .. tenant, rid) end
+  local ck = redis.call('HGET', P .. 'lease:' .. rid, 'ck')
+  if ck then redis.call('ZREM', P .. ck, rid) end
   return 1, tenant, owner
 end
 
@@ -247,6 +250,9 @@ local function op_gate(op)
   local reclaimed = purge_pool(op.p)
   local n, tok = pool_counts(op.p)
   local tl = P .. 'tl:' .. op.t
+  -- A class with its own max_concurrency counts its leases in a set of its own.
+  local ck = nil
+  if op.cm ~= nil and op.cm > 0 then ck = 'tl:' .. op.t .. ':' .. op.e end
   if op.f ~= 1 then
     if n >= op.pm or tok + op.b > op.pt then return refuse('capacity', op.p, reclaimed) end
     for r = 0, op.k - 1 do
@@ -255,6 +261,13 @@ local function op_gate(op)
     if op.mc > 0 then
       redis.call('ZREMRANGEBYSCORE', tl, '-inf', NOW_MS)
       if redis.call('ZCARD', tl) >= op.mc then
+        redis.call('ZREM', band_key(op.p, op.k), op.t .. '|' .. REPLICA)
+        return refuse('concurrency', op.p, reclaimed)
+      end
+    end
+    if ck then
+      redis.call('ZREMRANGEBYSCORE', P .. ck, '-inf', NOW_MS)
+      if redis.call('ZCARD', P .. ck) >= op.cm then
         redis.call('ZREM', band_key(op.p, op.k), op.t .. '|' .. REPLICA)
         return refuse('concurrency', op.p, reclaimed)
       end
@@ -276,8 +289,11 @@ local function op_gate(op)
   redis.call('HSET', lk, 'tenant', op.t, 'pool', op.p, 'rank', op.k, 'budget', op.b,
     'in', op.i, 'out', op.x, 'w', fmt(op.w), 'wi', fmt(op.wi), 'wo', fmt(op.wo),
     'fair', fmt(op.c), 'outc', op.x, 'seen', 0, 'owner', REPLICA, 'att', 0)
-  if op.tb then
-    redis.call('HSET', lk, 'tbk', op.tb[1], 'tbc', fmt(op.tb[2]), 'tbr', fmt(op.tb[3]))
+  if op.tbs then redis.call('HSET', lk, 'tbs', cjson.encode(op.tbs)) end
+  if ck then
+    redis.call('HSET', lk, 'ck', ck)
+    redis.call('ZADD', P .. ck, expires, op.rid)
+    redis.call('PEXPIRE', P .. ck, KEY_TTL)
   end
   redis.call('PEXPIRE', lk, LEASE_TTL * 3 + 60000)
   for _, k in ipairs({pl, pb, tl}) do redis.call('PEXPIRE', k, KEY_TTL) end
@@ -288,7 +304,7 @@ local function op_gate(op)
 end
 
 local FIELDS = {'tenant', 'pool', 'rank', 'budget', 'in', 'out', 'w', 'wi', 'wo', 'fair',
-  'outc', 'seen', 'owner', 'att', 'tbk', 'tbc', 'tbr'}
+  'outc', 'seen', 'owner', 'att', 'tbk', 'tbc', 'tbr', 'tbs'}
 
 local function record(rid)
   local v = redis.call('HMGET', P .. 'lease:' .. rid, unpack(FIELDS))
@@ -322,7 +338,8 @@ local function op_charge(op)
 end
 
 -- Release a lease exactly once, settling estimates against real usage when it is known:
--- the tokens bucket and the fair share move from the reserved estimate to the actual.
+-- the token buckets (the tenant's and its class's) and the fair share move from the reserved
+-- estimate to the actual.
 local function op_release(op)
   local rec = record(op.rid)
   if not rec then return {ok = 0, done = 0} end
@@ -331,8 +348,13 @@ local function op_release(op)
     local input = op.ai or tonumber(rec['in'])
     local output = op.ao or tonumber(rec.out)
     local delta = input + output - tonumber(rec.budget)
-    if rec.tbk and delta ~= 0 then
-      adjust(rec.tbk, tonumber(rec.tbc), tonumber(rec.tbr), delta)
+    if delta ~= 0 then
+      if rec.tbs then
+        for _, b in ipairs(cjson.decode(rec.tbs)) do adjust(b[1], b[2], b[3], delta) end
+      end
+      if rec.tbk then  -- a lease an older script registered: one bucket
+        adjust(rec.tbk, tonumber(rec.tbc), tonumber(rec.tbr), delta)
+      end
     end
     local fair_out = op.ao or math.max(tonumber(rec.outc), tonumber(rec.seen))
     local final = tonumber(rec.wi) * input + tonumber(rec.wo) * fair_out
@@ -349,11 +371,15 @@ local function op_renew(op)
   local expires = NOW_MS + LEASE_TTL
   for _, rid in ipairs(op.rids) do
     local lk = P .. 'lease:' .. rid
-    local v = redis.call('HMGET', lk, 'pool', 'tenant')
+    local v = redis.call('HMGET', lk, 'pool', 'tenant', 'ck')
     local pl = v[1] and (P .. 'pl:' .. v[1])
     if pl and redis.call('ZSCORE', pl, rid) then
       redis.call('ZADD', pl, 'XX', expires, rid)
       redis.call('ZADD', P .. 'tl:' .. v[2], 'XX', expires, rid)
+      if v[3] then
+        redis.call('ZADD', P .. v[3], 'XX', expires, rid)
+        redis.call('PEXPIRE', P .. v[3], KEY_TTL)
+      end
       redis.call('PEXPIRE', lk, LEASE_TTL * 3 + 60000)
       redis.call('PEXPIRE', pl, KEY_TTL)
       redis.call('PEXPIRE', P .. 'pb:' .. v[1], KEY_TTL)

@@ -1,9 +1,10 @@
 """The local fallback: each process enforces its share of every limit while Redis is away.
 
 With `state.replicas: N` processes expected, a process keeps 1/N of each tenant's
-rate-limit dimensions (extproc.scheduler.ratelimit) and max_concurrency, and 1/N of each pool's
-max_inflight and max_inflight_tokens (rounded up, at least 1; a pool's token room never
-below one request of its largest size, so every routable request can still pass). Queue
+rate-limit dimensions (extproc.scheduler.ratelimit: rates and bursts) and max_concurrency,
+tenant-wide and per endpoint class, and 1/N of each pool's max_inflight and
+max_inflight_tokens (rounded up, at least 1; a pool's token room never below one request of
+its largest size, so every routable request can still pass). Queue
 settings (max_queued, max_queue_wait) and everything else are unchanged.
 """
 
@@ -11,7 +12,7 @@ from __future__ import annotations
 
 import math
 
-from extproc.policy.model import Limits, Pool, Tenant
+from extproc.policy.model import BucketLimits, Limits, Pool, Tenant
 from extproc.policy.runtime import Policy, compile_policy
 from extproc.scheduler.ratelimit import DIMENSIONS
 
@@ -20,11 +21,22 @@ def _share(value: int | None, replicas: int) -> int | None:
     return None if value is None else max(1, math.ceil(value / replicas))
 
 
+_SHARED_FIELDS = [
+    *(field for d in DIMENSIONS for field in (d.policy_field, d.burst_field)),
+    "max_concurrency",
+]
+
+
+def _block(limits: BucketLimits, replicas: int) -> dict[str, int | None]:
+    return {field: _share(getattr(limits, field), replicas) for field in _SHARED_FIELDS}
+
+
 def _limits(limits: Limits, replicas: int) -> Limits:
-    fields = [dimension.policy_field for dimension in DIMENSIONS] + ["max_concurrency"]
-    return limits.model_copy(
-        update={field: _share(getattr(limits, field), replicas) for field in fields}
-    )
+    per_endpoint = {
+        endpoint: block.model_copy(update=_block(block, replicas))
+        for endpoint, block in limits.per_endpoint.items()
+    }
+    return limits.model_copy(update={**_block(limits, replicas), "per_endpoint": per_endpoint})
 
 
 def _pool(pool: Pool, replicas: int) -> Pool:

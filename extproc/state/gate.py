@@ -22,7 +22,7 @@ from extproc.admission import GateHost, Grant, RemoteLease, rejection_error
 from extproc.errors import GatewayError
 from extproc.policy import Policy
 from extproc.scheduler import Admission, Take, TakeResult, Ticket, retry_after
-from extproc.scheduler.ratelimit import SETTLED_DIMENSION, bucket_of
+from extproc.scheduler.ratelimit import settled_buckets
 from extproc.state import ops
 from extproc.state.backend import RedisBackend, StateUnavailable
 from extproc.state.batcher import Batcher, failure
@@ -295,7 +295,8 @@ class RedisGate:
         spec = policy.tenants[ticket.tenant]
         pool = policy.pools[ticket.pool]
         fairness = policy.source.fairness
-        settled = getattr(spec.limits, SETTLED_DIMENSION.policy_field)
+        class_limits = spec.limits.per_endpoint.get(ticket.endpoint)
+        class_concurrency = None if class_limits is None else class_limits.max_concurrency
         return ops.Gate(
             request_id=ticket.request_id,
             tenant=ticket.tenant,
@@ -309,12 +310,12 @@ class RedisGate:
             input_weight=fairness.input_weight,
             output_weight=fairness.output_weight,
             max_concurrency=spec.limits.max_concurrency or 0,
+            endpoint=ticket.endpoint,
+            class_concurrency=class_concurrency or 0,
             pool_max_inflight=pool.max_inflight,
             pool_max_tokens=pool.max_inflight_tokens,
             fair_slack=self.settings.fair_slack,
-            tokens_bucket=(
-                None if settled is None else bucket_of(ticket.tenant, SETTLED_DIMENSION, settled)
-            ),
+            settled_buckets=tuple(settled_buckets(ticket.tenant, ticket.endpoint, spec)),
             force=force,
         )
 

@@ -10,6 +10,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from extproc.endpoints import EndpointClass
 from extproc.scheduler import Bucket, Take
 
 Reply = dict[str, Any]
@@ -65,8 +66,12 @@ class Gate:
     pool_max_inflight: int
     pool_max_tokens: int
     fair_slack: float
-    tokens_bucket: Bucket | None = None
-    """The tenant's tokens-per-minute bucket, settled at release against real usage."""
+    endpoint: EndpointClass = "chat"
+    class_concurrency: int = 0
+    """The max_concurrency of the request's endpoint class; 0: no limit."""
+    settled_buckets: tuple[Bucket, ...] = ()
+    """The token buckets the request took from (the tenant's, its class's), settled at
+    release against real usage."""
     force: bool = False
     """Register the lease whatever the limits say (it is running here already)."""
 
@@ -155,10 +160,11 @@ def _gate(op: Gate) -> dict[str, object]:
         "b": op.budget, "i": op.input_tokens, "x": op.max_output_tokens, "w": op.weight,
         "c": op.fair_cost, "wi": op.input_weight, "wo": op.output_weight,
         "mc": op.max_concurrency, "pm": op.pool_max_inflight, "pt": op.pool_max_tokens,
-        "f": 1 if op.force else 0, "s": op.fair_slack,
+        "f": 1 if op.force else 0, "s": op.fair_slack, "e": op.endpoint,
+        "cm": op.class_concurrency,
     }  # fmt: skip
-    if op.tokens_bucket is not None:
-        wire["tb"] = _bucket(op.tokens_bucket)
+    if op.settled_buckets:
+        wire["tbs"] = [_bucket(bucket) for bucket in op.settled_buckets]
     return wire
 
 

@@ -9,7 +9,7 @@ Where each operation goes:
 
 * shared mode: `try_take` answers the prepared Redis result; `give_back` (a refund for work
   never served) is sent to Redis; `adjust` (settlement) is a no-op because the lease release in
-  Redis settles the tokens bucket atomically with freeing capacity (exactly once);
+  Redis settles the token buckets atomically with freeing capacity (exactly once);
 * local mode (Redis unreachable, `on_failure: local`): a `MemoryLimitStore` with the policy's
   limits divided by the expected replicas (the scheduler runs a scaled policy then). The net
   consumption taken locally is remembered as a debt per bucket and debited to Redis when it

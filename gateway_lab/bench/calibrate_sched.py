@@ -200,10 +200,17 @@ def _summary(case: str, config: EngineConfig, longs: int, ttfts: list[float]) ->
 
 
 @contextlib.contextmanager
-def _engine(
-    kind: str, config: EngineConfig, log_dir: Path, vllm: str, model: Path | None
+def started_engine(
+    kind: str,
+    config: EngineConfig,
+    log_dir: Path,
+    vllm: str,
+    model: Path | None,
+    extra_args: Sequence[str] = (),
 ) -> Iterator[tuple[str, int]]:
-    """(base URL, pid of the API process) of a started engine; stopped on exit."""
+    """(base URL, pid of the API process) of a started engine; stopped on exit.
+
+    `extra_args` go to either engine's command line (flags both spell alike)."""
     port = free_port()
     if kind == "real":
         assert model is not None
@@ -212,7 +219,7 @@ def _engine(
             scheduling_policy=config.policy,
             long_prefill_token_threshold=config.threshold,
         )
-        server = start_server(model, preset, port, log_dir, python=vllm)
+        server = start_server(model, preset, port, log_dir, python=vllm, extra_args=extra_args)
         try:
             server.wait_ready(READY_TIMEOUT_S)
             yield server.base_url, server.proc.pid
@@ -222,7 +229,7 @@ def _engine(
     command = [
         sys.executable, "-m", "extproc", "engine", "--profile", "cpu-tiny", "--port", str(port),
         "--model", MODEL, "--accept-any-model", "--scheduling-policy", config.policy,
-        "--long-prefill-token-threshold", str(config.threshold),
+        "--long-prefill-token-threshold", str(config.threshold), *extra_args,
     ]  # fmt: skip
     log_path = log_dir / f"emulator-{port}.log"
     with log_path.open("wb") as log:
@@ -237,7 +244,7 @@ def _engine(
         stop_process_group(proc, 10)
 
 
-async def _warm(url: str, rng: random.Random) -> None:
+async def warm(url: str, rng: random.Random) -> None:
     async with _session() as session:
         for _ in range(3):
             await stream_completion(session, url, random_prompt(rng, 200), 8)
@@ -264,8 +271,8 @@ def measure_engine(kind: str, args: argparse.Namespace, log_dir: Path) -> Engine
     for config in configs:
         print(f"{kind}: {config.label}", flush=True)
         rng = random.Random(args.seed)
-        with _engine(kind, config, log_dir, vllm, model) as (url, pid):
-            asyncio.run(_warm(url, rng))
+        with started_engine(kind, config, log_dir, vllm, model) as (url, pid):
+            asyncio.run(warm(url, rng))
             if not args.frontend_only:
                 ttfts = asyncio.run(
                     short_beside_longs(url, args.queued_longs, args.repeats, rng, long_priority=1)

@@ -28,6 +28,18 @@ def prompt_text(tokens: int, rng: random.Random) -> str:
     return text + " "
 
 
+def distinct_prompt(text: str, index: int) -> str:
+    """`text` with its first three words replaced by a code for `index` (same byte length,
+    so the same token count): prompts of different indexes (< 27,000) differ in their first
+    KV block, so an engine's prefix cache finds nothing to reuse between them, and the load
+    is the fresh prefill the benchmarks mean, on the emulator and on vLLM alike."""
+    words = text.split(" ")
+    n = len(_WORDS)
+    for k in range(min(3, len(words) - 1)):
+        words[k] = _WORDS[index // n**k % n]
+    return " ".join(words)
+
+
 @dataclass(frozen=True, slots=True)
 class Spec:
     tenant: str

@@ -34,7 +34,7 @@ from gateway_lab.bench.monitor import (
     progress,
     wait_engines_idle,
 )
-from gateway_lab.bench.records import Spec, prompt_text
+from gateway_lab.bench.records import Spec, distinct_prompt, prompt_text
 from gateway_lab.bench.stack import EngineSet, Gateway, engine_set, gateway_stack
 from gateway_lab.progress import Progress
 
@@ -137,12 +137,13 @@ def arm_gateway(
 def fixed_maker(
     tenant: str, key: str, prompt: int, output: int, seed: int
 ) -> Callable[[int], Spec]:
-    """Requests of `prompt` tokens and `output` out, over 16 different prompt texts."""
+    """Requests of `prompt` tokens and `output` out, over 16 prompt texts made distinct per
+    request (`distinct_prompt`: no prefix-cache hits between them)."""
     rng = random.Random(seed)
     prompts = [prompt_text(prompt, rng) for _ in range(16)]
 
     def make(index: int) -> Spec:
-        return Spec(tenant, key, prompts[index % 16], prompt, output)
+        return Spec(tenant, key, distinct_prompt(prompts[index % 16], index), prompt, output)
 
     return make
 
@@ -151,15 +152,17 @@ def spread_maker(
     tenant: str, key: str, prompt: int, output: int, spread: float, seed: int, *, vary_output: bool
 ) -> Callable[[int], Spec]:
     """Requests of uniform sizes in [(1 - spread) x, (1 + spread) x] of the prompt (and, with
-    `vary_output`, of the output) tokens: identical requests would start and end in lockstep."""
+    `vary_output`, of the output) tokens: identical requests would start and end in lockstep.
+    Each request's text is made distinct (`distinct_prompt`: no prefix-cache hits)."""
     rng = random.Random(seed)
     low, high = 1.0 - spread, 1.0 + spread
     words = prompt_text(math.ceil(prompt * high), rng)
 
-    def make(_index: int) -> Spec:
+    def make(index: int) -> Spec:
         tokens = max(8, round(prompt * rng.uniform(low, high)))
         out = max(1, round(output * rng.uniform(low, high))) if vary_output else output
-        return Spec(tenant, key, words[: 4 * (tokens - 4)], tokens, out)
+        text = distinct_prompt(words[: 4 * (tokens - 4)], index)
+        return Spec(tenant, key, text, tokens, out)
 
     return make
 

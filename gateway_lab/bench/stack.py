@@ -114,10 +114,15 @@ class Gateway:
 
 @contextlib.contextmanager
 def gateway_stack(
-    workdir: Path, policy_text: str, arm: str, extproc_args: Sequence[str] = ()
+    workdir: Path,
+    policy_text: str,
+    arm: str,
+    extproc_args: Sequence[str] = (),
+    bootstrap_edit: Callable[[str], str] | None = None,
 ) -> Iterator[Gateway]:
     """Envoy on fresh loopback ports, straight to the policy's endpoints (`straight`) or
-    through `extproc serve` (`extproc`) or the do-nothing floor (`noop`)."""
+    through `extproc serve` (`extproc`) or the do-nothing floor (`noop`). `bootstrap_edit`
+    rewrites Envoy's rendered bootstrap (JSON text, access log on) before it starts."""
     if arm not in ARMS:
         raise ValueError(f"arm must be one of {ARMS}")
     workdir.mkdir(parents=True, exist_ok=True)
@@ -150,9 +155,12 @@ def gateway_stack(
         extproc=grpc_address,
         admin=envoy_admin,
         extproc_filters=arm != "straight",
-        access_log=False,
+        access_log=bootstrap_edit is not None,
     )
     stack.children.append(envoy_child(workdir, policy, options, log_level="error"))
+    if bootstrap_edit is not None:
+        bootstrap = workdir / "envoy.json"
+        bootstrap.write_text(bootstrap_edit(bootstrap.read_text()))
     checks.append((functools.partial(http_ok, f"http://{envoy_admin}/ready"), "envoy"))
     with running(stack, checks):
         yield Gateway(

@@ -3,7 +3,8 @@
 Every EngineProfile field can be overridden with a flag of the same name
 (`--max-num-seqs 64`, `--step-base-s 0.01`, ...); the scheduler's are named as vLLM's:
 `--scheduling-policy {fcfs,priority}`, `--long-prefill-token-threshold N`,
-`--max-num-batched-tokens N`. On start the engine prints one line,
+`--max-num-batched-tokens N`, `--enable-prefix-caching` / `--no-enable-prefix-caching`
+(default on, as vLLM V1). On start the engine prints one line,
 `engine <id> listening on http://host:port`, to stdout (useful with `--port 0`).
 """
 
@@ -29,7 +30,7 @@ from gateway_lab.engine.waiting import SCHEDULING_POLICIES
 __all__ = ["add_arguments", "main", "run", "running_engine"]
 
 DEFAULT_PROFILE = "a100-llama3-8b"
-_FIELD_TYPES: dict[str, type] = {"int": int, "float": float, "str": str}
+_FIELD_TYPES: dict[str, type] = {"int": int, "float": float, "str": str, "bool": bool}
 _FIELD_CHOICES: dict[str, tuple[str, ...]] = {"scheduling_policy": SCHEDULING_POLICIES}
 
 
@@ -71,6 +72,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     group = parser.add_argument_group("profile overrides")
     for name, kind in _profile_fields():
+        if kind is bool:
+            group.add_argument(
+                "--" + name.replace("_", "-"),
+                dest=name,
+                action=argparse.BooleanOptionalAction,
+                default=None,
+                help="(default: the profile's, on for every built-in profile)",
+            )
+            continue
         group.add_argument(
             "--" + name.replace("_", "-"),
             dest=name,

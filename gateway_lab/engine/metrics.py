@@ -132,6 +132,18 @@ class EngineMetrics(Collector):
             "Number of generation tokens processed.",
             core.generation_tokens_total,
         )
+        # Counted at a request's first admission (a lookup repeated after a preemption is
+        # kept apart by vLLM and not exported); both stay 0 with prefix caching off.
+        yield counter(
+            "vllm:prefix_cache_queries",
+            "Prefix cache queries, in terms of number of queried tokens.",
+            core.prefix_cache_queries_total,
+        )
+        yield counter(
+            "vllm:prefix_cache_hits",
+            "Prefix cache hits, in terms of number of cached tokens.",
+            core.prefix_cache_hits_total,
+        )
         success = CounterMetricFamily(
             "vllm:request_success",
             "Count of successfully processed requests.",

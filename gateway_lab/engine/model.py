@@ -24,12 +24,23 @@ Each `step(now)`, following vLLM V1's scheduler:
 
 KV accounting: a request holds ceil(computed_tokens / block_size) blocks; the whole prompt's
 blocks are reserved at admission, later blocks are taken one by one as decodes grow the context.
+
+Automatic prefix caching (`profile.enable_prefix_caching`, on by default as in vLLM V1; the
+block semantics are in `gateway_lab.engine.block_cache`): a request carries the keys of its
+prompt's full blocks (`token_ids` hashed here, or precomputed `block_hashes`). At admission the
+longest run of cached leading blocks, never covering the last token, is its hit: those blocks
+are shared instead of allocated and its prefill starts after them (`num_computed` = the hit).
+A block gets its key when the tokens that fill it are scheduled. The hit is looked up again
+when a preempted request is readmitted; only first admissions count in the prefix-cache
+counters (vLLM keeps preempted lookups apart).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 
+from gateway_lab.engine.block_cache import BlockHash, BlockPool, chain_block_hashes
 from gateway_lab.engine.profiles import EngineProfile
 from gateway_lab.engine.waiting import WaitingQueue
 
@@ -46,6 +57,8 @@ class FinishedRequest:
     first_token_time: float
     finish_time: float
     preemptions: int
+    cached_tokens: int = 0
+    """Prompt tokens its first admission found in the prefix cache (prefill skipped)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,9 +93,17 @@ class _Seq:
     priority: int
     order: int
     """Submission order: breaks ties between equal (priority, arrival_time)."""
+    block_hashes: Sequence[BlockHash]
+    """Keys of the prompt's full blocks (empty: the prompt can neither hit nor be cached)."""
     num_output: int = 0
     num_computed: int = 0
     num_blocks: int = 0
+    cached: list[BlockHash] = field(default_factory=list)
+    """The keys of the blocks it holds that are cached (shared or its own), in block order."""
+    num_keyed: int = 0
+    """Its leading blocks already given their key (or found as a hit)."""
+    cached_tokens: int = 0
+    """The prefix-cache hit of its first admission, in tokens."""
     aborted: bool = False
     preemptions: int = 0
     scheduled_time: float = -1.0
@@ -99,11 +120,15 @@ class EngineCore:
         self._waiting: WaitingQueue[_Seq] = WaitingQueue(profile.scheduling_policy)
         self._by_priority = profile.scheduling_policy == "priority"
         self._submitted = 0
-        self._free_blocks = profile.kv_blocks
+        self._pool = BlockPool(profile.kv_blocks, profile.enable_prefix_caching)
         self.preemptions_total = 0
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
         self.steps_total = 0
+        self.prefix_cache_queries_total = 0
+        """Prompt tokens looked up at first admissions (vLLM's prefix_cache_queries)."""
+        self.prefix_cache_hits_total = 0
+        """Of those, tokens found cached (vLLM's prefix_cache_hits)."""
 
     # -- state -------------------------------------------------------------------------------
 
@@ -117,11 +142,16 @@ class EngineCore:
 
     @property
     def used_blocks(self) -> int:
-        return self.profile.kv_blocks - self._free_blocks
+        """Blocks held by requests (free cached blocks are not used, as vLLM counts)."""
+        return self.profile.kv_blocks - self._pool.num_free
 
     @property
     def free_blocks(self) -> int:
-        return self._free_blocks
+        return self._pool.num_free
+
+    @property
+    def block_pool(self) -> BlockPool:
+        return self._pool
 
     @property
     def kv_usage(self) -> float:
@@ -137,6 +167,12 @@ class EngineCore:
 
     def output_tokens(self, req_id: str) -> int:
         return self._seqs[req_id].num_output
+
+    def cached_prefix_tokens(self, prompt_tokens: int, block_hashes: Sequence[BlockHash]) -> int:
+        """The tokens a prompt with these block keys would find cached if admitted now (no
+        side effect: what a router that saw the engine's cache would know)."""
+        block_size = self.profile.block_size
+        return self._pool.longest_hit(block_hashes, prompt_tokens, block_size) * block_size
 
     # -- requests ----------------------------------------------------------------------------
 
@@ -160,20 +196,52 @@ class EngineCore:
         max_tokens: int,
         arrival_time: float = 0.0,
         priority: int = 0,
+        *,
+        token_ids: Sequence[int] | None = None,
+        block_hashes: Sequence[BlockHash] | None = None,
     ) -> None:
         """Queue a request; raises ValueError if it is a duplicate or can never be served.
 
         `priority` (lower first) orders the waiting queue and the preemption victims only under
-        the "priority" scheduling policy; under "fcfs" it is ignored, as vLLM ignores it."""
+        the "priority" scheduling policy; under "fcfs" it is ignored, as vLLM ignores it.
+        For prefix caching, give the prompt's `token_ids` (exactly `prompt_tokens` of them) or
+        the keys of its full blocks, `block_hashes` (at most prompt_tokens // block_size,
+        e.g. from `block_cache.rechunk_block_hashes`); with neither, the prompt never hits."""
         if req_id in self._seqs:
             raise ValueError(f"duplicate request id {req_id!r}")
         problem = self.check_request(prompt_tokens, max_tokens)
         if problem is not None:
             raise ValueError(problem)
-        seq = _Seq(req_id, prompt_tokens, max_tokens, arrival_time, priority, self._submitted)
+        keys = self._prompt_keys(prompt_tokens, token_ids, block_hashes)
+        seq = _Seq(req_id, prompt_tokens, max_tokens, arrival_time, priority, self._submitted, keys)
         self._submitted += 1
         self._seqs[req_id] = seq
         self._waiting.add(seq)
+
+    def _prompt_keys(
+        self,
+        prompt_tokens: int,
+        token_ids: Sequence[int] | None,
+        block_hashes: Sequence[BlockHash] | None,
+    ) -> Sequence[BlockHash]:
+        block_size = self.profile.block_size
+        if token_ids is not None:
+            if block_hashes is not None:
+                raise ValueError("give token_ids or block_hashes, not both")
+            if len(token_ids) != prompt_tokens:
+                raise ValueError(
+                    f"{len(token_ids)} token ids for a prompt of {prompt_tokens} tokens"
+                )
+            if not self._pool.caching:
+                return ()
+            return chain_block_hashes(token_ids, block_size)
+        if block_hashes is None:
+            return ()
+        if len(block_hashes) > prompt_tokens // block_size:
+            raise ValueError(
+                f"{len(block_hashes)} block hashes for {prompt_tokens // block_size} full blocks"
+            )
+        return block_hashes
 
     def abort(self, req_id: str) -> bool:
         """Drop a request wherever it is and free its blocks. False if it is unknown/finished."""
@@ -182,8 +250,7 @@ class EngineCore:
             return False
         if seq.num_blocks:  # only running requests hold blocks, and every one holds some
             self._running.remove(seq)
-            self._free_blocks += seq.num_blocks
-            seq.num_blocks = 0
+            self._release(seq)
         else:
             self._waiting.mark_aborted(seq)
         return True
@@ -213,6 +280,7 @@ class EngineCore:
         block_size = profile.block_size
         budget = profile.max_num_batched_tokens
         running = self._running
+        pool = self._pool
         # vLLM applies the cap only when another request could be starved by a long prefill.
         threshold = profile.long_prefill_token_threshold
         many = len(running) + len(self._waiting) > 1
@@ -226,7 +294,7 @@ class EngineCore:
             new = min(seq.prompt_tokens + seq.num_output - seq.num_computed, chunk_cap, budget)
             need = -(-(seq.num_computed + new) // block_size) - seq.num_blocks
             self_preempted = False
-            while need > self._free_blocks:
+            while need > pool.num_free:
                 at = self._victim_index()
                 victim = running.pop(at)
                 if at < i:
@@ -240,8 +308,10 @@ class EngineCore:
             if self_preempted:
                 break  # as vLLM: no running request after it is scheduled in this step
             if need > 0:
-                self._free_blocks -= need
+                pool.allocate(need)
                 seq.num_blocks += need
+            if seq.num_keyed < len(seq.block_hashes):  # a decode has nothing left to key
+                self._cache_full_blocks(seq, seq.num_computed + new)
             scheduled[seq] = new
             budget -= new
             i += 1
@@ -253,16 +323,27 @@ class EngineCore:
                 if head is None:
                     break
                 total = head.prompt_tokens + head.num_output
-                need = -(-total // block_size)
-                if need > self._free_blocks:
+                hit = pool.longest_hit(head.block_hashes, total, block_size)
+                hit_keys = head.block_hashes[:hit]
+                required = -(-total // block_size)
+                if pool.blocks_to_allocate(hit_keys, required - hit) > pool.num_free:
                     break
                 seq = waiting.pop()
-                self._free_blocks -= need
-                seq.num_blocks = need
+                pool.touch(hit_keys)  # before allocating, so that the hit is not evicted
+                pool.allocate(required - hit)
+                seq.num_blocks = required
+                seq.cached = list(hit_keys)
+                seq.num_keyed = hit
+                seq.num_computed = hit * block_size
+                if pool.caching and not seq.preemptions:
+                    self.prefix_cache_queries_total += total
+                    self.prefix_cache_hits_total += seq.num_computed
+                    seq.cached_tokens = seq.num_computed
                 if seq.scheduled_time < 0:
                     seq.scheduled_time = now
                 running.append(seq)
-                new = min(total, chunk_cap, budget)
+                new = min(total - seq.num_computed, chunk_cap, budget)
+                self._cache_full_blocks(seq, seq.num_computed + new)
                 scheduled[seq] = new
                 budget -= new
 
@@ -330,17 +411,33 @@ class EngineCore:
             range(len(running)), key=lambda k: (running[k].priority, running[k].arrival_time)
         )
 
-    def _preempt(self, seq: _Seq) -> None:
-        self._free_blocks += seq.num_blocks
+    def _cache_full_blocks(self, seq: _Seq, num_tokens: int) -> None:
+        """Key the blocks that `num_tokens` scheduled tokens fill (vLLM: at scheduling)."""
+        keys = seq.block_hashes
+        full = min(num_tokens // self.profile.block_size, len(keys))
+        if full <= seq.num_keyed:
+            return
+        pool = self._pool
+        for j in range(seq.num_keyed, full):
+            if pool.cache(keys[j]):
+                seq.cached.append(keys[j])
+        seq.num_keyed = full
+
+    def _release(self, seq: _Seq) -> None:
+        self._pool.free(seq.cached, seq.num_blocks - len(seq.cached))
+        seq.cached = []
         seq.num_blocks = 0
+        seq.num_keyed = 0
+
+    def _preempt(self, seq: _Seq) -> None:
+        self._release(seq)
         seq.num_computed = 0
         seq.preemptions += 1
         self.preemptions_total += 1
         self._waiting.add_preempted(seq)
 
     def _finish(self, seq: _Seq, end: float) -> FinishedRequest:
-        self._free_blocks += seq.num_blocks
-        seq.num_blocks = 0
+        self._release(seq)
         del self._seqs[seq.req_id]
         return FinishedRequest(
             seq.req_id,
@@ -351,4 +448,5 @@ class EngineCore:
             seq.first_token_time,
             end,
             seq.preemptions,
+            seq.cached_tokens,
         )

@@ -16,8 +16,8 @@ from aiohttp.typedefs import Handler
 
 from gateway_lab.engine.tokens import (
     PromptError,
-    chat_prompt_tokens,
-    completion_prompt_tokens,
+    chat_prompt_token_ids,
+    completion_prompt_token_ids,
     output_piece,
     output_text,
 )
@@ -65,6 +65,8 @@ class Params:
     req_id: str
     created: int
     prompt_tokens: int
+    prompt_token_ids: list[int]
+    """The prompt's token ids (the emulator's rule in `tokens.py`), for prefix caching."""
     max_tokens: int
     stream: bool
     include_usage: bool
@@ -131,11 +133,12 @@ def parse_request(
         raise ApiError(404, f"The model `{asked}` does not exist.", "NotFoundError", "model")
     try:
         if chat:
-            prompt_tokens = chat_prompt_tokens(body.get("messages"), body.get("tools"))
+            token_ids = chat_prompt_token_ids(body.get("messages"), body.get("tools"))
         else:
-            prompt_tokens = completion_prompt_tokens(body.get("prompt"))
+            token_ids = completion_prompt_token_ids(body.get("prompt"))
     except PromptError as exc:
         raise ApiError(400, str(exc)) from None
+    prompt_tokens = len(token_ids)
     if prompt_tokens < 1:
         raise ApiError(400, "The prompt must not be empty.", param="prompt")
 
@@ -201,6 +204,7 @@ def parse_request(
         req_id=prefix + uuid.uuid4().hex,
         created=int(time.time()),
         prompt_tokens=prompt_tokens,
+        prompt_token_ids=token_ids,
         max_tokens=max_tokens,
         stream=stream,
         include_usage=include_usage,

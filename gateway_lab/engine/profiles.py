@@ -54,6 +54,8 @@ gateway_lab.engine.model for the waiting-queue and preemption rules), and
 `long_prefill_token_threshold` (most prompt tokens of one request per step, 0 = off).
 `max_num_partial_prefills` / `max_long_partial_prefills` are not modelled: vLLM V1 does not
 enforce them either.
+`enable_prefix_caching` (default on, as vLLM V1 for a model that supports it): full KV blocks
+are reused across requests with the same prefix (gateway_lab.engine.block_cache).
 """
 
 from __future__ import annotations
@@ -86,6 +88,8 @@ class EngineProfile:
     """vLLM's `--scheduling-policy`: "fcfs" (arrival order, `priority` ignored) or "priority"."""
     long_prefill_token_threshold: int = 0
     """vLLM's `--long-prefill-token-threshold`: most prompt tokens of one request per step."""
+    enable_prefix_caching: bool = True
+    """vLLM's `--enable-prefix-caching` / `--no-enable-prefix-caching` (on by default in V1)."""
 
     def __post_init__(self) -> None:
         for field in ("step_base_s", "step_per_decode_s", "step_per_prefill_token_s"):

@@ -267,7 +267,12 @@ class EngineServer:
         self._pending[req_id] = entry
         try:
             self.core.add_request(
-                req_id, params.prompt_tokens, params.max_tokens, time.monotonic(), params.priority
+                req_id,
+                params.prompt_tokens,
+                params.max_tokens,
+                time.monotonic(),
+                params.priority,
+                token_ids=params.prompt_token_ids,
             )
             self._wake.set()
             if params.stream:

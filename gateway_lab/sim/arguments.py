@@ -54,6 +54,13 @@ def _add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         help=f"engine profile NAME (all pools) or POOL=NAME (default {DEFAULT_PROFILE})",
     )
     group.add_argument(
+        "--enable-prefix-caching",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="the engines' automatic prefix caching, fed by the trace's hash_ids (default: the "
+        "profile's, on as in vLLM V1)",
+    )
+    group.add_argument(
         "--kv-provision",
         type=float,
         default=1.0,

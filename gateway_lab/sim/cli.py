@@ -16,6 +16,7 @@ from typing import Any
 
 from extproc.policy import PolicyError, load_policy
 from extproc.policy.runtime import Policy
+from gateway_lab.engine.profiles import EngineProfile
 from gateway_lab.progress import Progress
 from gateway_lab.sim.arguments import DEFAULT_PROFILE, add_arguments
 from gateway_lab.sim.fleet import (
@@ -75,6 +76,10 @@ def _profiles(args: argparse.Namespace) -> tuple[str, dict[str, str]]:
         else:
             default = item
     return default, per_pool
+
+
+def _with_engine_flags(profile: EngineProfile, args: argparse.Namespace) -> EngineProfile:
+    return profile.with_overrides({"enable_prefix_caching": args.enable_prefix_caching})
 
 
 def _workload(
@@ -155,7 +160,7 @@ def _fleet(args: argparse.Namespace, policy: Policy) -> dict[str, PoolEngines]:
         )
     fleet: dict[str, PoolEngines] = {}
     for name, pool in policy.pools.items():
-        base = resolve_profile(per_pool.get(name, default))
+        base = _with_engine_flags(resolve_profile(per_pool.get(name, default)), args)
         profile = base
         if not args.no_context_scaling:
             length = min(pool.max_total_tokens, base.max_model_len)
@@ -319,7 +324,7 @@ def _plan(args: argparse.Namespace) -> int:
     if per_pool:
         raise UsageError("plan uses one engine profile: --profile NAME")
     config = PlanConfig(
-        base_profile=resolve_profile(default),
+        base_profile=_with_engine_flags(resolve_profile(default), args),
         slo=_slo(args),
         attainment=args.attainment,
         thresholds=_thresholds(args.thresholds),

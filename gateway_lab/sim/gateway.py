@@ -51,8 +51,10 @@ class SimGateway:
         input_tokens: int,
         max_tokens: int,
         priority: int | None = None,
+        prefix_blocks: tuple[int, ...] = (),
     ) -> Ticket:
-        """A ticket like the processor's: clamped priority, the tier's default deadline."""
+        """A ticket like the processor's: clamped priority, the tier's default deadline, and
+        (fairness dlpm) the prompt's block names, here a trace's hash_ids."""
         spec = self.policy.tenant(tenant)
         deadline = None
         clamped = 0
@@ -69,6 +71,7 @@ class SimGateway:
             max_output_tokens=max_tokens,
             priority=clamped,
             deadline=deadline,
+            prefix_blocks=prefix_blocks if policy_uses_locality(self.policy) else (),
         )
 
     # --- the admission controller's part ---------------------------------------------------
@@ -100,6 +103,10 @@ class SimGateway:
         if index < len(self._timers) and self._timers[index] == at:
             del self._timers[index]
         self._last_fired = at
+
+
+def policy_uses_locality(policy: Policy) -> bool:
+    return policy.source.fairness.policy == "dlpm"
 
 
 def route_or_error(gateway: SimGateway, budget: int) -> str | GatewayError:

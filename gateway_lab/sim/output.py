@@ -50,7 +50,8 @@ def format_report(report: dict[str, Any]) -> str:
         lines.append(
             f"{name:<24} {pool['replicas']} x {pool['profile']} "
             f"(max_num_seqs {pool['max_num_seqs']}): utilisation {_pct(pool['utilisation'])}, "
-            f"{pool['preemptions']} preemptions, {pool['output_tokens_per_s']:.0f} output tok/s"
+            f"{pool['preemptions']} preemptions, {pool['output_tokens_per_s']:.0f} output tok/s, "
+            f"prefix cache hit rate {_pct(pool['prefix_cache_hit_rate'])}"
         )
     outcomes = ", ".join(f"{k} {v}" for k, v in report["overall"]["outcomes"].items())
     lines.append(f"outcomes: {outcomes}")

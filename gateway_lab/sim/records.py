@@ -22,6 +22,8 @@ class RequestRecord:
     """max_tokens the client asked for: the scheduler reserves it and routing counts it."""
     priority: int = 0
     """vLLM's request priority (lower first) the engine gets; see TraceRequest.priority."""
+    hash_ids: tuple[int, ...] = ()
+    """The prompt's prefix block ids (TraceRequest.hash_ids), keying the engine's cache."""
     tier: str | None = None
     pool: str | None = None
     outcome: Outcome | None = None
@@ -36,6 +38,8 @@ class RequestRecord:
     charged: int = 0
     """Output tokens charged to the scheduler (one charge_output per generated token)."""
     preemptions: int = 0
+    cached_tokens: int = 0
+    """Prompt tokens the engine found in its prefix cache (their prefill skipped)."""
 
     @property
     def completed(self) -> bool:

@@ -128,6 +128,14 @@ class Fleet:
         best.outstanding_tokens += tokens
         return best
 
+    def assign_to(self, pool: str, index: int, tokens: int) -> Replica:
+        """Count a request on the replica the gateway chose (its index in the pool)."""
+        members = self.by_pool[pool]
+        chosen = members[index % len(members)]
+        chosen.outstanding += 1
+        chosen.outstanding_tokens += tokens
+        return chosen
+
     @staticmethod
     def done(replica: Replica, tokens: int) -> None:
         replica.outstanding -= 1

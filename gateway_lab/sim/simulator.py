@@ -32,13 +32,14 @@ from extproc.errors import GatewayError
 from extproc.policy.runtime import Policy
 from extproc.scheduler import Admission, Rejection
 from extproc.types import Outcome
+from gateway_lab.engine.block_cache import rechunk_block_hashes
 from gateway_lab.engine.model import EngineCore
 from gateway_lab.sim.fleet import PoolEngines
 from gateway_lab.sim.gateway import SimGateway, route_or_error
 from gateway_lab.sim.records import RequestRecord
 from gateway_lab.sim.replicas import Balance, Fleet, Replica
 from gateway_lab.sim.slo import Slo
-from gateway_lab.sim.trace import TraceRequest
+from gateway_lab.sim.trace import HASH_BLOCK_TOKENS, TraceRequest
 
 _STEP_END = 0
 _ENTER = 1
@@ -87,6 +88,9 @@ class ReplicaStats:
     steps: int
     output_tokens: int
     preemptions: int
+    prefix_cache_queries: int
+    """Prompt tokens its prefix cache was queried for (vLLM's prefix_cache_queries)."""
+    prefix_cache_hits: int
     max_num_seqs: int
     max_model_len: int
     busy_timeline: tuple[float, ...]
@@ -162,6 +166,7 @@ class Simulation:
                     output_tokens=output,
                     max_tokens=max_tokens,
                     priority=request.priority,
+                    hash_ids=request.hash_ids,
                 )
             )
         self._by_id = {record.request_id: record for record in self.records}
@@ -226,7 +231,11 @@ class Simulation:
         record.admitted_at = now
         record.lease_id = admission.lease.lease_id
         self._by_lease[admission.lease.lease_id] = record
-        replica = self.fleet.assign(admission.ticket.pool, admission.ticket.budget)
+        chosen = admission.lease.replica  # the gateway's locality index chose (dlpm)
+        if chosen is None:
+            replica = self.fleet.assign(admission.ticket.pool, admission.ticket.budget)
+        else:
+            replica = self.fleet.assign_to(admission.ticket.pool, chosen, admission.ticket.budget)
         record.replica = replica.gid
         self._push(now + replica.core.profile.frontend_s, _ENTER, record.index)
 
@@ -245,7 +254,12 @@ class Simulation:
             return
         record.pool = pool
         ticket = gateway.ticket(
-            record.request_id, record.tenant, pool, record.input_tokens, record.max_tokens
+            record.request_id,
+            record.tenant,
+            pool,
+            record.input_tokens,
+            record.max_tokens,
+            prefix_blocks=tuple(record.hash_ids),
         )
         rejection = gateway.submit(ticket)
         if rejection is not None:
@@ -266,8 +280,18 @@ class Simulation:
             self._pump()
             return
         record.engine_at = now
+        block_hashes = None
+        if record.hash_ids:
+            block_hashes = rechunk_block_hashes(
+                record.hash_ids, HASH_BLOCK_TOKENS, record.input_tokens, core.profile.block_size
+            )
         core.add_request(
-            record.request_id, record.input_tokens, record.output_tokens, now, record.priority
+            record.request_id,
+            record.input_tokens,
+            record.output_tokens,
+            now,
+            record.priority,
+            block_hashes=block_hashes,
         )
         if not replica.busy:
             self._kick(replica, now)
@@ -309,6 +333,7 @@ class Simulation:
                 record = by_id[finished.req_id]
                 record.finished_at = finished.finish_time
                 record.preemptions = finished.preemptions
+                record.cached_tokens = finished.cached_tokens
                 self.fleet.done(replica, record.input_tokens + record.max_tokens)
                 if record.lease_id is not None:
                     release(record.lease_id, record.input_tokens, finished.output_tokens)
@@ -412,6 +437,8 @@ class Simulation:
             steps=replica.steps,
             output_tokens=replica.tokens,
             preemptions=replica.core.preemptions_total,
+            prefix_cache_queries=replica.core.prefix_cache_queries_total,
+            prefix_cache_hits=replica.core.prefix_cache_hits_total,
             max_num_seqs=profile.max_num_seqs,
             max_model_len=profile.max_model_len,
             busy_timeline=tuple(replica.busy_buckets),

@@ -54,12 +54,15 @@ def _values(
 
 
 def summarize(records: Sequence[RequestRecord], slo: Slo) -> dict[str, Any]:
-    """Latencies (ms), SLO attainment (fractions of all requests), outcomes, tokens."""
+    """Latencies (ms), SLO attainment (fractions of all requests), outcomes, tokens, and the
+    share of the completed requests' prompt tokens the engines found in their prefix caches."""
     total = len(records)
     outcomes = Counter(
         "unresolved" if record.outcome is None else record.outcome.value for record in records
     )
     completed = [record for record in records if record.completed]
+    input_tokens = sum(record.input_tokens for record in completed)
+    cached = sum(record.cached_tokens for record in completed)
 
     def share(predicate: Callable[[RequestRecord], bool]) -> float | None:
         return round(sum(1 for r in records if predicate(r)) / total, 6) if total else None
@@ -81,8 +84,10 @@ def summarize(records: Sequence[RequestRecord], slo: Slo) -> dict[str, Any]:
         },
         "preemptions": sum(record.preemptions for record in records),
         "preempted_requests": sum(1 for record in records if record.preemptions),
-        "input_tokens": sum(record.input_tokens for record in completed),
+        "input_tokens": input_tokens,
         "output_tokens": sum(record.generated for record in records),
+        "cached_input_tokens": cached,
+        "prefix_cache_hit_rate": round(cached / input_tokens, 6) if input_tokens else None,
     }
 
 
@@ -96,13 +101,16 @@ def group_by(
 
 
 def engine_summary(result: SimResult) -> dict[str, Any]:
-    """Per pool: replicas, configuration, utilisation (busy-time fraction), preemptions."""
+    """Per pool: replicas, configuration, utilisation (busy-time fraction), preemptions, and
+    the prefix cache's hit rate (cached prompt tokens / queried ones, as vLLM counts them)."""
     span = max(result.end_time, 1e-9)
     out: dict[str, Any] = {}
     for pool, engines in result.fleet.items():
         members = [replica for replica in result.replicas if replica.pool == pool]
         busy = [replica.busy_s / span for replica in members]
         tokens = sum(replica.output_tokens for replica in members)
+        queries = sum(replica.prefix_cache_queries for replica in members)
+        hits = sum(replica.prefix_cache_hits for replica in members)
         out[pool] = {
             "replicas": engines.replicas,
             "profile": engines.profile.name,
@@ -117,6 +125,10 @@ def engine_summary(result: SimResult) -> dict[str, Any]:
             "preemptions": sum(replica.preemptions for replica in members),
             "output_tokens": tokens,
             "output_tokens_per_s": round(tokens / span, 3),
+            "prefix_caching": engines.profile.enable_prefix_caching,
+            "prefix_cache_queries": queries,
+            "prefix_cache_hits": hits,
+            "prefix_cache_hit_rate": round(hits / queries, 6) if queries else None,
         }
     return out
 

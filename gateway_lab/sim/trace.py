@@ -11,7 +11,10 @@ Recognised columns (case-insensitive, CSV header or JSONL keys):
   ``completion_tokens``;
 - tenant (optional): ``tenant``, ``client``, ``client_id``, ``user``;
 - priority (optional): ``priority``, the integer vLLM request priority the engine schedules by
-  under ``scheduling_policy="priority"`` (lower first; absent = 0).
+  under ``scheduling_policy="priority"`` (lower first; absent = 0);
+- prefix block hashes (optional): ``hash_ids`` (Mooncake: a JSON list, one id per
+  `HASH_BLOCK_TOKENS`-token block of the prompt, equal ids for equal prefixes), which the
+  engines' prefix caches key their blocks by (absent = every prompt is fresh).
 
 Times become seconds from the first request; token counts are clamped to at least 1 (an engine
 needs one prompt token and generates at least one).
@@ -35,6 +38,10 @@ _INPUT_KEYS = ("contexttokens", "input_length", "input_tokens", "prompt_tokens")
 _OUTPUT_KEYS = ("generatedtokens", "output_length", "output_tokens", "completion_tokens")
 _TENANT_KEYS = ("tenant", "client", "client_id", "user")
 _PRIORITY_KEYS = ("priority",)
+_HASH_KEYS = ("hash_ids",)
+
+HASH_BLOCK_TOKENS = 512
+"""Tokens per `hash_ids` block (Mooncake's traces hash 512-token blocks)."""
 
 
 class TraceError(ValueError):
@@ -52,6 +59,8 @@ class TraceRequest:
     tenant: str | None = None
     priority: int = 0
     """vLLM's request priority (lower first), used by engines with the "priority" policy."""
+    hash_ids: tuple[int, ...] = ()
+    """Ids of the prompt's `HASH_BLOCK_TOKENS`-token blocks (equal ids, equal prefix)."""
 
     @property
     def total_tokens(self) -> int:
@@ -65,6 +74,7 @@ class _Columns:
     output: str
     tenant: str | None
     priority: str | None
+    hash_ids: str | None
     unit: Literal["s", "ms", "datetime"]
 
 
@@ -106,6 +116,7 @@ def _columns(keys: Iterable[str], sample: Mapping[str, Any], unit: TimeUnit, fil
         output_key,
         _find(keys, _TENANT_KEYS),
         _find(keys, _PRIORITY_KEYS),
+        _find(keys, _HASH_KEYS),
         kind,
     )
 
@@ -163,7 +174,7 @@ def read_trace(path: str | Path, *, time_unit: TimeUnit = "auto") -> list[TraceR
     if not rows:
         raise TraceError(f"{path}: no requests")
     columns = _columns(rows[0][1].keys(), rows[0][1], time_unit, str(path))
-    raw: list[tuple[float, int, int, str | None, int]] = []
+    raw: list[tuple[float, int, int, str | None, int, tuple[int, ...]]] = []
     for number, row in rows:
         try:
             at = _time(row[columns.time], columns.unit)
@@ -171,16 +182,30 @@ def read_trace(path: str | Path, *, time_unit: TimeUnit = "auto") -> list[TraceR
             output_tokens = int(float(row[columns.output]))
             priority_value = None if columns.priority is None else row.get(columns.priority)
             priority = 0 if priority_value in (None, "") else int(priority_value)
+            hash_ids = _hash_ids(None if columns.hash_ids is None else row.get(columns.hash_ids))
         except (KeyError, TypeError, ValueError) as exc:
             raise TraceError(f"{path}:{number}: cannot read the request: {exc}") from None
         tenant = None
         if columns.tenant is not None:
             value = row.get(columns.tenant)
             tenant = None if value is None or value == "" else str(value)
-        raw.append((at, max(1, input_tokens), max(1, output_tokens), tenant, priority))
+        raw.append((at, max(1, input_tokens), max(1, output_tokens), tenant, priority, hash_ids))
     raw.sort(key=lambda item: item[0])
     start = raw[0][0]
-    return [TraceRequest(at - start, i, o, t, p) for at, i, o, t, p in raw]
+    return [TraceRequest(at - start, i, o, t, p, h) for at, i, o, t, p, h in raw]
+
+
+def _hash_ids(value: Any) -> tuple[int, ...]:
+    """A `hash_ids` cell: a JSON list of integers (a CSV cell holds it as JSON text)."""
+    if value is None or value == "":
+        return ()
+    if isinstance(value, str):
+        value = json.loads(value)
+    if not isinstance(value, list) or not all(
+        isinstance(v, int) and not isinstance(v, bool) for v in value
+    ):
+        raise ValueError("hash_ids must be a list of integers")
+    return tuple(value)
 
 
 def shape_trace(
@@ -230,4 +255,6 @@ def write_trace(path: str | Path, requests: Iterable[TraceRequest]) -> None:
                 record["tenant"] = request.tenant
             if request.priority:
                 record["priority"] = request.priority
+            if request.hash_ids:
+                record["hash_ids"] = list(request.hash_ids)
             handle.write(json.dumps(record) + "\n")

@@ -155,7 +155,7 @@ async def test_expired_leases_are_reclaimed_and_announced(backend: RedisBackend)
 async def test_settlement_moves_bucket_and_counter_to_actual_usage(backend: RedisBackend) -> None:
     bucket = Bucket("acme:tokens", 1000.0, 1000 / 60)
     await one(backend, ops.TakeBuckets((Take(bucket, 100.0),)))
-    assert (await one(backend, gate("r1", "acme", tokens_bucket=bucket)))["ok"] == 1
+    assert (await one(backend, gate("r1", "acme", settled_buckets=(bucket,))))["ok"] == 1
     await one(backend, ops.ChargeOutput("r1", 70))  # 20 above the 50 reserved
     counters = await backend.client.hgetall("extproc:vtc:short:1")
     assert float(counters[b"acme"]) == 150 + 40

@@ -6,6 +6,7 @@ import itertools
 from collections.abc import Mapping
 from typing import Any
 
+from extproc.endpoints import EndpointClass
 from extproc.policy import Policy, policy_from_text
 from extproc.scheduler import (
     FAIRNESS_POLICIES,
@@ -81,6 +82,7 @@ def ticket(
     priority: int = 0,
     deadline: float | None = None,
     request_id: str | None = None,
+    endpoint: EndpointClass = "chat",
 ) -> Ticket:
     return Ticket(
         request_id=request_id or f"r{next(_ids)}",
@@ -90,6 +92,7 @@ def ticket(
         max_output_tokens=max_output,
         priority=priority,
         deadline=deadline,
+        endpoint=endpoint,
     )
 
 

@@ -233,6 +233,45 @@ def test_metrics_expose_engine_state(engine: VllmServer) -> None:
     assert metric_value(after, "vllm:time_to_first_token_seconds_count") >= 1
 
 
+def test_a_repeated_prompt_moves_the_prefix_cache_counters_alike_on_both_engines(
+    engine: VllmServer,
+) -> None:
+    # 600 token ids: 4 full 128-token blocks before the last token. Prefix caching is on by
+    # default in both; the second send hits those 4 blocks (512 tokens) on each engine.
+    import asyncio
+    import random
+
+    import aiohttp
+
+    from gateway_lab.bench.calibrate_measure import random_prompt
+    from gateway_lab.bench.calibrate_prefix import PREFIX_COUNTERS, counter_sums
+    from gateway_lab.engine.server import running_engine
+
+    prompt = random_prompt(random.Random(18), 600)
+    body = {"model": engine.served_model_name, "prompt": prompt, "max_tokens": 2}
+    before = counter_sums(get_text(engine, "/metrics"))
+    for _ in range(2):
+        post_json(engine, "/v1/completions", body)
+    after = counter_sums(get_text(engine, "/metrics"))
+    real = {name: after[name] - before[name] for name in PREFIX_COUNTERS}
+
+    async def emulated() -> dict[str, float]:
+        timeout = aiohttp.ClientTimeout(total=REQUEST_TIMEOUT_S)
+        async with (
+            running_engine(profile="cpu-tiny", strict_model=False) as emulator,
+            aiohttp.ClientSession(timeout=timeout) as session,
+        ):
+            for _ in range(2):
+                url = emulator.base_url + "/v1/completions"
+                async with session.post(url, json=body) as resp:
+                    assert resp.status == 200, await resp.text()
+            async with session.get(emulator.base_url + "/metrics") as resp:
+                return counter_sums(await resp.text())
+
+    assert real == {PREFIX_COUNTERS[0]: 1200.0, PREFIX_COUNTERS[1]: 512.0}
+    assert asyncio.run(emulated()) == real
+
+
 # ----------------------------------------------------------------------------- priority
 
 

@@ -9,13 +9,15 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from extproc.policy.model import Fairness
+from extproc.scheduler.fairness.dlpm import DeficitLongestPrefixMatch
 from extproc.scheduler.fairness.drr import DeficitRoundRobin
-from extproc.scheduler.fairness.protocol import FairnessPolicy, RegisteredFairness
+from extproc.scheduler.fairness.protocol import FairnessPolicy, LocalityAware, RegisteredFairness
 from extproc.scheduler.fairness.vtc import VirtualTokenCounter
 
 FAIRNESS_POLICIES: Mapping[str, type[RegisteredFairness]] = {
     DeficitRoundRobin.name: DeficitRoundRobin,
     VirtualTokenCounter.name: VirtualTokenCounter,
+    DeficitLongestPrefixMatch.name: DeficitLongestPrefixMatch,
 }
 
 
@@ -38,8 +40,10 @@ def make_fairness(policy: str, quantum: float) -> FairnessPolicy:
 
 __all__ = [
     "FAIRNESS_POLICIES",
+    "DeficitLongestPrefixMatch",
     "DeficitRoundRobin",
     "FairnessPolicy",
+    "LocalityAware",
     "RegisteredFairness",
     "VirtualTokenCounter",
     "fairness_from_settings",

@@ -19,12 +19,16 @@ Every registered policy (extproc.scheduler.fairness.FAIRNESS_POLICIES) has this 
 * `level(tenant)`: the counter / deficit, for snapshots;
 * `set_weight(tenant, weight)`, `forget(tenant)`: policy reload;
 * `from_settings(settings)` (a classmethod): a fresh object from the policy file's `fairness`.
+
+A policy that orders by locality (`dlpm`) also has `bind_locality(cached_tokens)`
+(`LocalityAware`): the scheduler binds each band's object to a lookup of how many tokens of a
+member's head request the pool's replicas already hold (extproc.scheduler.locality).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Protocol, Self
+from typing import Protocol, Self, runtime_checkable
 
 from extproc.policy.model import Fairness
 
@@ -56,3 +60,8 @@ class RegisteredFairness(FairnessPolicy, Protocol):
 
     @classmethod
     def from_settings(cls, settings: Fairness) -> Self: ...
+
+
+@runtime_checkable
+class LocalityAware(Protocol):
+    def bind_locality(self, cached_tokens: Callable[[str], float]) -> None: ...

@@ -1,0 +1,59 @@
+"""CPU pinning for benchmarks on a small machine: the engine on a core of its own, the gateway,
+Envoy and the load generator on the others, so the engine's timing does not depend on how
+busy the gateway is. Every thread of a process is pinned (a process's affinity is per thread)."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class CoreSplit:
+    engine: frozenset[int]
+    front: frozenset[int]
+
+    def describe(self) -> str:
+        return f"engine on cpu {sorted(self.engine)}, the rest on cpu {sorted(self.front)}"
+
+
+def split_cores() -> CoreSplit | None:
+    """The last allowed core for the engine, the others for the rest; None below two cores."""
+    allowed = sorted(os.sched_getaffinity(0))
+    if len(allowed) < 2:
+        return None
+    return CoreSplit(frozenset(allowed[-1:]), frozenset(allowed[:-1]))
+
+
+def pin(pid: int, cores: frozenset[int]) -> int:
+    """Pin every thread of `pid` (and of its descendants) to `cores`; returns threads pinned.
+    A thread or process that is gone by then is skipped."""
+    pinned = 0
+    for process in (pid, *descendants(pid)):
+        with contextlib.suppress(FileNotFoundError):
+            for task in Path(f"/proc/{process}/task").iterdir():
+                with contextlib.suppress(ProcessLookupError, PermissionError, OSError):
+                    os.sched_setaffinity(int(task.name), cores)
+                    pinned += 1
+    return pinned
+
+
+def children(pid: int) -> list[int]:
+    found: list[int] = []
+    with contextlib.suppress(FileNotFoundError):
+        for task in Path(f"/proc/{pid}/task").iterdir():
+            with contextlib.suppress(FileNotFoundError):
+                found.extend(int(x) for x in (task / "children").read_text().split())
+    return found
+
+
+def descendants(pid: int) -> list[int]:
+    out: list[int] = []
+    pending = children(pid)
+    while pending:
+        child = pending.pop()
+        out.append(child)
+        pending.extend(children(child))
+    return out

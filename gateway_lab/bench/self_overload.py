@@ -1,0 +1,454 @@
+"""Benchmark: a quiet tenant while the gateway itself is overloaded (issue 16's table), every
+arm side by side in one run, plus where the time goes at low load (Envoy's phase timestamps).
+
+One emulated A100 / Llama-3.1-8B engine, pinned to a core of its own where the machine has
+two or more (Envoy, the gateway and this load generator share the others). A quiet tenant
+sends 1 request/s, a flooder 32 requests/s x 64 tokens ("room": the engine keeps up) or
+48 x 256 ("over": above the engine's capacity), both Poisson (open loop), streamed
+`/v1/completions` with one-line prompts and no `stream_options` (the service adds
+`include_usage`). Fronts: Envoy straight to the engine (FIFO in the engine), Envoy with the
+do-nothing ext_proc (`noop`), kvwarden 0.1.6 (per-tenant token bucket 600/min, burst 10,
+tenants from `X-Tenant-ID`; its own venv, scripts/setup-kvwarden.sh), and Envoy with our
+service (the default policy: DRR, headroom, adaptive soft limit, overload shedding).
+
+Per arm: the quiet tenant's time to the first streamed chunk (P50/P99, their ratio to the
+quiet tenant alone straight to the engine: "solo"), its failed requests, the flooder's answers
+by status (and whether each non-200 carried Retry-After), and each process's CPU in cores.
+The alone arms through Envoy also log Envoy's per-phase timestamps (gateway_lab.bench.phases).
+
+`extproc bench self-overload [--quick] [--arms a,b] [--kvwarden-venv .venv-kvwarden]`
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import math
+import os
+import random
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import orjson
+
+from extproc.policy import hash_key
+from gateway_lab.bench import phases, scenario
+from gateway_lab.bench.cores import CoreSplit, descendants, pin, split_cores
+from gateway_lab.bench.kvwarden_front import DEFAULT_VENV, kvwarden_front
+from gateway_lab.bench.loadgen import Load, open_loop
+from gateway_lab.bench.monitor import log, wait_engines_idle
+from gateway_lab.bench.records import RECORD_COLUMNS, Meter, Record, Spec
+from gateway_lab.bench.stack import PROFILE, Gateway, cpu_seconds, engine_set, gateway_stack
+from gateway_lab.bench.stats import fmt, status_counts, ttft_stats, within
+
+NAME = "self-overload"
+DEFAULT_OUT = Path("results/self-overload")
+KEYS = {"quiet": "bench-quiet-key", "flooder": "bench-flooder-key"}
+MODEL = "bench"
+FRONTS = {"straight": "straight", "noop": "noop", "service": "extproc"}
+"""Fronts run by Envoy, and `gateway_stack`'s name for each (kvwarden runs alone)."""
+
+TARGET_ADDED_P50_MS = 1.0
+TARGET_ADDED_P99_MS = 3.0
+TARGET_ROOM_OF_FIFO = 1.1
+TARGET_OVER_P99_RATIO = 2.0
+
+
+@dataclass(frozen=True)
+class Workload:
+    quiet_rate: float = 1.0
+    quiet_output: int = 64
+    room_rate: float = 32.0
+    room_output: int = 64
+    over_rate: float = 48.0
+    over_output: int = 256
+    prompt_words: int = 12
+    """One-line prompts."""
+
+    def flood(self, load: str) -> tuple[float, int]:
+        return (self.room_rate, self.room_output) if load == "room" else (
+            self.over_rate, self.over_output
+        )  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Timing:
+    measure_s: float = 30.0
+    warmup_s: float = 3.0
+    grace_s: float = 10.0
+
+    @classmethod
+    def quick(cls) -> Timing:
+        return cls(4.0, 1.0, 3.0)
+
+
+@dataclass(frozen=True)
+class Arm:
+    name: str
+    front: str
+    """straight, noop, kvwarden or service."""
+    load: str
+    """alone, room or over."""
+    phases: bool = False
+    include_usage: bool = False
+    """The clients ask for usage themselves: the service then leaves the body alone."""
+
+
+ARMS = (
+    Arm("alone-straight", "straight", "alone", phases=True),
+    Arm("alone-noop", "noop", "alone", phases=True),
+    Arm("alone-kvwarden", "kvwarden", "alone"),
+    Arm("alone-service", "service", "alone", phases=True),
+    Arm("alone-service-usage", "service", "alone", phases=True, include_usage=True),
+    Arm("room-fifo", "straight", "room"),
+    Arm("room-full", "service", "room"),
+    Arm("over-fifo", "straight", "over"),
+    Arm("over-noop", "noop", "over"),
+    Arm("over-kvwarden", "kvwarden", "over"),
+    Arm("over-full", "service", "over"),
+)
+
+
+@dataclass(frozen=True, slots=True)
+class CompletionSpec(Spec):
+    include_usage: bool = False
+
+    def body(self) -> bytes:
+        body: dict[str, Any] = {
+            "model": MODEL,
+            "prompt": self.prompt,
+            "max_tokens": self.max_tokens,
+            "ignore_eos": True,
+            "stream": True,
+        }
+        if self.include_usage:
+            body["stream_options"] = {"include_usage": True}
+        return orjson.dumps(body)
+
+
+def policy_text(endpoint: str) -> str:
+    """Our full policy: the defaults (DRR, headroom, adaptive soft limit, overload shedding)."""
+    return f"""\
+version: 1
+tiers: [standard]
+tenants:
+  quiet: {{tier: standard, api_keys: ["{hash_key(KEYS["quiet"])}"]}}
+  flooder: {{tier: standard, api_keys: ["{hash_key(KEYS["flooder"])}"]}}
+pools:
+  {scenario.POOL}: {{max_total_tokens: 131072, max_inflight: 512,
+          max_inflight_tokens: 1000000000, endpoints: ["{endpoint}"]}}
+estimation: {{mode: flat, default_bytes_per_token: 4.0}}
+gateway: {{default_max_tokens: 256, message_timeout: 5s}}
+"""
+
+
+def maker(tenant: str, output: int, work: Workload, seed: int, usage: bool) -> Any:
+    rng = random.Random(seed)
+    words = ("tell", "me", "a", "story", "about", "the", "sea", "and", "a", "ship", "at", "dawn")
+    prompts = [
+        " ".join(rng.choice(words) for _ in range(work.prompt_words)) + "." for _ in range(16)
+    ]
+    headers = {"x-tenant-id": tenant, "x-bench-tenant": tenant}
+
+    def make(index: int) -> Spec:
+        return CompletionSpec(
+            tenant, KEYS[tenant], prompts[index % 16], work.prompt_words + 2, output, headers,
+            include_usage=usage,
+        )  # fmt: skip
+
+    return make
+
+
+@contextlib.contextmanager
+def front(arm: Arm, workdir: Path, endpoint: str, kvwarden_venv: Path) -> Iterator[Gateway]:
+    if arm.front == "kvwarden":
+        with kvwarden_front(workdir / arm.name, kvwarden_venv, endpoint, MODEL) as gateway:
+            yield gateway
+        return
+    edit = phases.timed_bootstrap  # every Envoy arm logs; the alone arms' phases are the table
+    with gateway_stack(
+        workdir / arm.name, policy_text(endpoint), FRONTS[arm.front], bootstrap_edit=edit
+    ) as gateway:
+        yield gateway
+
+
+def front_pids(gateway: Gateway) -> dict[str, int]:
+    return {
+        child.name: child.process.pid
+        for child in gateway.stack.children
+        if child.process is not None and child.process.poll() is None
+    }
+
+
+def group_cpu(pids: dict[str, int]) -> dict[str, float]:
+    """CPU seconds of each named process with its descendants (workers)."""
+    out: dict[str, float] = {}
+    for name, pid in pids.items():
+        total = 0.0
+        for process in (pid, *descendants(pid)):
+            with contextlib.suppress(FileNotFoundError, ProcessLookupError, IndexError):
+                total += cpu_seconds(process)
+        out[name] = total
+    return out
+
+
+async def drive(
+    arm: Arm, gateway: Gateway, work: Workload, timing: Timing, pids: dict[str, int], seed: int
+) -> dict[str, Any]:
+    url = gateway.base_url + "/v1/completions"
+    meter = Meter(bin_s=0.5)
+    end = timing.warmup_s + timing.measure_s
+    cpu: dict[str, dict[str, float]] = {}
+
+    async def sample_cpu() -> None:
+        await asyncio.sleep(timing.warmup_s)
+        cpu["start"] = group_cpu(pids)
+        await asyncio.sleep(timing.measure_s)
+        cpu["end"] = group_cpu(pids)
+
+    async with Load(url, meter, request_timeout_s=timing.measure_s + 60.0) as load:
+        quiet = maker("quiet", work.quiet_output, work, seed, arm.include_usage)
+        jobs = [
+            open_loop(load, quiet, work.quiet_rate, end, seed=seed + 1, grace_s=timing.grace_s),
+            sample_cpu(),
+        ]
+        if arm.load != "alone":
+            rate, output = work.flood(arm.load)
+            flooder = maker("flooder", output, work, seed + 2, arm.include_usage)
+            jobs.append(open_loop(load, flooder, rate, end, seed=seed + 3, grace_s=0.0))
+        await asyncio.gather(*jobs)
+        return summarize(arm, load.records, timing, cpu)
+
+
+def summarize(
+    arm: Arm, records: list[Record], timing: Timing, cpu: dict[str, dict[str, float]]
+) -> dict[str, Any]:
+    start, end = timing.warmup_s, timing.warmup_s + timing.measure_s
+    quiet = within(records, "quiet", start, end)
+    flooder = within(records, "flooder", start, end)
+    refused = [r for r in flooder if r.status not in (200, 0)]
+    cores = {
+        name: (cpu["end"][name] - cpu["start"].get(name, 0.0)) / timing.measure_s
+        for name in cpu.get("end", {})
+    }
+    return {
+        "arm": arm.name,
+        "front": arm.front,
+        "load": arm.load,
+        "quiet": {**ttft_stats(quiet), "status": answers(quiet)},
+        "quiet_failed": sum(1 for r in quiet if r.status != 200 or r.censored),
+        "flooder": {**ttft_stats(flooder), "status": answers(flooder)},
+        "flooder_refused_without_retry_after": sum(
+            1 for r in refused if r.status in (429, 503) and r.retry_after is None
+        ),
+        "flooder_504": sum(1 for r in flooder if r.status == 504),
+        "cpu_cores": cores,
+        "quiet_queue_ms_p50": _median([r.queue_ms for r in quiet if r.queue_ms is not None]),
+        "records": {"columns": RECORD_COLUMNS, "rows": [r.as_row() for r in records]},
+    }
+
+
+def answers(records: list[Record]) -> dict[str, int]:
+    """Requests by HTTP status; "cut" for those the end of the run cut before an answer."""
+    counts = status_counts([r for r in records if r.status != 0])
+    cut = sum(1 for r in records if r.status == 0)
+    if cut:
+        counts["cut"] = cut
+    return counts
+
+
+def _median(values: list[float]) -> float:
+    return sorted(values)[len(values) // 2] if values else math.nan
+
+
+def run_arm(
+    arm: Arm, endpoint: str, engine_pids: dict[str, int], workdir: Path, work: Workload,
+    timing: Timing, split: CoreSplit | None, kvwarden_venv: Path, seed: int,
+) -> dict[str, Any]:  # fmt: skip
+    scenario.run_async(wait_engines_idle([endpoint]))
+    log(NAME, f"arm {arm.name}: starting {arm.front}")
+    with front(arm, workdir, endpoint, kvwarden_venv) as gateway:
+        pids = front_pids(gateway)
+        if split is not None:
+            for pid in pids.values():
+                pin(pid, split.front)
+        result: dict[str, Any] = scenario.run_async(
+            drive(arm, gateway, work, timing, {**pids, **engine_pids, "loadgen": os.getpid()},
+                  seed)
+        )  # fmt: skip
+        envoy_log = workdir / arm.name / "envoy.log"
+    if envoy_log.exists():
+        logged = phases.read_phase_log(envoy_log)
+        result["envoy_details"] = phases.details_by_tenant(logged)
+        if arm.phases:
+            result["phases"] = phases.breakdown(logged, "quiet")
+    quiet = result["quiet"]
+    log(
+        NAME,
+        f"arm {arm.name}: quiet p50 {fmt(quiet['p50_ms'])} ms p99 {fmt(quiet['p99_ms'])} ms, "
+        f"failed {result['quiet_failed']}, flooder {result['flooder']['status']}",
+    )
+    return result
+
+
+def compare(results: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    solo = results.get("alone-straight")
+    solo_p50 = solo["quiet"]["p50_ms"] if solo else math.nan
+    solo_p99 = solo["quiet"]["p99_ms"] if solo else math.nan
+    rows = {
+        name: {
+            "quiet_p50_ms": r["quiet"]["p50_ms"],
+            "quiet_p99_ms": r["quiet"]["p99_ms"],
+            "p50_x_solo": r["quiet"]["p50_ms"] / solo_p50,
+            "p99_x_solo": r["quiet"]["p99_ms"] / solo_p99,
+            "added_p50_ms": r["quiet"]["p50_ms"] - solo_p50,
+            "added_p99_ms": r["quiet"]["p99_ms"] - solo_p99,
+            "quiet_failed": r["quiet_failed"],
+            "flooder_status": r["flooder"]["status"],
+            "cpu_cores": r["cpu_cores"],
+        }
+        for name, r in results.items()
+    }
+    targets: dict[str, Any] = {}
+    alone = rows.get("alone-service")
+    if alone:
+        targets["added_p50_ms<=1.0"] = alone["added_p50_ms"] <= TARGET_ADDED_P50_MS
+        targets["added_p99_ms<=3.0"] = alone["added_p99_ms"] <= TARGET_ADDED_P99_MS
+    room, room_fifo = rows.get("room-full"), rows.get("room-fifo")
+    if room and room_fifo:
+        targets["room_within_1.1x_fifo"] = (
+            room["p99_x_solo"] <= TARGET_ROOM_OF_FIFO * room_fifo["p99_x_solo"]
+            and room["p50_x_solo"] <= TARGET_ROOM_OF_FIFO * room_fifo["p50_x_solo"]
+        )
+    over = results.get("over-full")
+    if over:
+        seen = set(over["flooder"]["status"])
+        targets["over_quiet_p99<=2x_solo"] = rows["over-full"]["p99_x_solo"] <= 2.0
+        targets["over_zero_failed_quiet"] = over["quiet_failed"] == 0
+        targets["over_flooder_only_200_429_503_with_retry_after"] = (
+            seen <= {"200", "429", "503", "cut"}
+            and over["flooder_refused_without_retry_after"] == 0
+        )
+    return {"rows": rows, "targets": targets}
+
+
+def print_table(summary: dict[str, Any], results: dict[str, dict[str, Any]]) -> None:
+    rows = summary["rows"]
+    print(
+        f"\n{'arm':20} {'quiet p50':>10} {'p99':>9} {'p50 x':>6} {'p99 x':>6} {'failed':>6}  "
+        f"flooder answers / cpu cores"
+    )
+    for name, row in rows.items():
+        cpu = " ".join(f"{k.split()[0]} {v:.2f}" for k, v in row["cpu_cores"].items())
+        print(
+            f"{name:20} {fmt(row['quiet_p50_ms']):>8}ms {fmt(row['quiet_p99_ms']):>7}ms "
+            f"{fmt(row['p50_x_solo'], 2):>6} {fmt(row['p99_x_solo'], 2):>6} "
+            f"{row['quiet_failed']:>6}  {row['flooder_status'] or '-'} / {cpu}"
+        )
+    phased = {n: r["phases"] for n, r in results.items() if "phases" in r}
+    phases.print_breakdown(phased)
+    print("\ntargets:")
+    for target, met in summary["targets"].items():
+        print(f"  {target}: {'met' if met else 'NOT met'}")
+
+
+def plot(results: dict[str, dict[str, Any]], summary: dict[str, Any], path: Path) -> None:
+    from gateway_lab.bench.figures import pyplot, save_figure
+
+    plt = pyplot()
+    names = list(summary["rows"])
+    fig, ax = plt.subplots(figsize=(10, 4))
+    xs = range(len(names))
+    p50 = [summary["rows"][n]["p50_x_solo"] for n in names]
+    p99 = [summary["rows"][n]["p99_x_solo"] for n in names]
+    ax.bar([x - 0.2 for x in xs], p50, width=0.4, label="quiet P50 x solo")
+    ax.bar([x + 0.2 for x in xs], p99, width=0.4, label="quiet P99 x solo")
+    ax.axhline(TARGET_OVER_P99_RATIO, color="grey", linestyle="--", linewidth=1)
+    ax.set_yscale("log")
+    ax.set_xticks(list(xs), names, rotation=30, ha="right")
+    ax.set_ylabel("time to first chunk / solo (log)")
+    ax.legend()
+    del results
+    save_figure(fig, path)
+
+
+def run(
+    out: Path, workdir: Path, work: Workload, timing: Timing, arms: list[Arm],
+    kvwarden_venv: Path, seed: int = 7, profile: str = PROFILE,
+) -> dict[str, Any]:  # fmt: skip
+    began = time.perf_counter()
+    split = split_cores()
+    log(NAME, split.describe() if split else "fewer than two cores: nothing pinned")
+    load_before = os.getloadavg()
+    results: dict[str, dict[str, Any]] = {}
+    with engine_set(workdir / "engines", {scenario.POOL: 1}, profile) as engines:
+        endpoint = engines.endpoints[scenario.POOL][0]
+        engine_pids = {f"engine {i}": pid for i, pid in enumerate(descendants(os.getpid()))}
+        if split is not None:
+            for pid in engine_pids.values():
+                pin(pid, split.engine)
+            pin(os.getpid(), split.front)
+        for arm in arms:
+            results[arm.name] = run_arm(
+                arm, endpoint, engine_pids, workdir, work, timing, split, kvwarden_venv, seed
+            )
+    summary = compare(results)
+    report = {
+        "scenario": NAME,
+        "profile": profile,
+        "workload": work.__dict__,
+        "timing": timing.__dict__,
+        "cores": None if split is None else {"engine": sorted(split.engine),
+                                             "front": sorted(split.front)},
+        "load_average_before": load_before,
+        "load_average_after": os.getloadavg(),
+        "wall_s": time.perf_counter() - began,
+        "summary": summary,
+        "arms": results,
+    }  # fmt: skip
+    scenario.save_results(
+        out, report, "self-overload.png",
+        lambda path: plot(results, summary, path), lambda: print_table(summary, results),
+    )  # fmt: skip
+    return report
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    scenario.add_scenario_arguments(parser, DEFAULT_OUT, "measured seconds per arm")
+    parser.add_argument("--arms", help=f"comma-separated subset of {[a.name for a in ARMS]}")
+    parser.add_argument("--kvwarden-venv", type=Path, default=DEFAULT_VENV)
+    parser.add_argument("--no-kvwarden", action="store_true", help="skip the kvwarden arms")
+    parser.add_argument("--over-rate", type=float, help="flooder requests/s in `over` (48)")
+    parser.add_argument("--seed", type=int, default=7)
+
+
+def main(args: argparse.Namespace) -> int:
+    timing = scenario.chosen_timing(args, Timing(), Timing.quick())
+    work = Workload()
+    if args.over_rate:
+        work = replace(work, over_rate=args.over_rate)
+    arms = list(ARMS)
+    if args.arms:
+        wanted = [a.strip() for a in args.arms.split(",") if a.strip()]
+        known = {a.name: a for a in ARMS}
+        unknown = [a for a in wanted if a not in known]
+        if unknown:
+            raise SystemExit(f"unknown arms {unknown}; known: {list(known)}")
+        arms = [known[a] for a in wanted]
+    if args.no_kvwarden or not (args.kvwarden_venv / "bin" / "kvwarden").exists():
+        if not args.no_kvwarden and any(a.front == "kvwarden" for a in arms):
+            log(NAME, f"no kvwarden in {args.kvwarden_venv} (scripts/setup-kvwarden.sh): "
+                      "its arms are skipped")  # fmt: skip
+        arms = [a for a in arms if a.front != "kvwarden"]
+    run(args.out, scenario.workdir_of(args), work, timing, arms, args.kvwarden_venv, args.seed)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(
+        scenario.script_main("gateway_lab.bench.self_overload", __doc__, add_arguments, main)
+    )

@@ -1,0 +1,43 @@
+"""Smoke run of `extproc bench self-overload` (--quick, three arms): the real Envoy, the
+service and a pinned emulated engine for a few seconds per arm must leave well-formed
+outputs, the phase breakdown among them. The figures are not checked (shared cores)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import pytest
+
+from gateway_lab.bench import self_overload
+
+pytestmark = [pytest.mark.smoke, pytest.mark.dataplane, pytest.mark.plots]
+
+
+def test_self_overload_quick(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    parser = argparse.ArgumentParser()
+    self_overload.add_arguments(parser)
+    out = tmp_path / "out"
+    args = parser.parse_args(
+        [
+            "--quick", "--out", str(out), "--workdir", str(tmp_path / "w"), "--no-kvwarden",
+            "--arms", "alone-straight,alone-service,room-full",
+        ]
+    )  # fmt: skip
+    assert self_overload.main(args) == 0
+    printed = capsys.readouterr().out
+    data = json.loads((out / "results.json").read_text())
+    assert data["scenario"] == "self-overload"
+    assert set(data["arms"]) == {"alone-straight", "alone-service", "room-full"}
+    for result in data["arms"].values():
+        assert {"p50_ms", "p99_ms", "count"} <= set(result["quiet"])
+        assert result["records"]["rows"], "no request was recorded"
+        assert "envoy_details" in result
+    phases = data["arms"]["alone-service"]["phases"]
+    assert phases["requests"] >= 1
+    assert "request -> upstream (ext_proc headers + body)" in phases["steps_ms"]
+    assert "flooder" in json.dumps(data["arms"]["room-full"]["envoy_details"])
+    assert isinstance(data["summary"]["targets"]["added_p50_ms<=1.0"], bool)
+    assert (out / "self-overload.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "per-phase medians" in printed and "targets:" in printed

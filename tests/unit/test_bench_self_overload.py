@@ -1,0 +1,124 @@
+"""The self-overload benchmark's pieces: Envoy's timed access log, the phase breakdown,
+kvwarden's configuration, core pinning and the completion requests."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from pathlib import Path
+
+import orjson
+import pytest
+from ruamel.yaml import YAML
+
+from extproc.envoy_config import RenderOptions, render_bootstrap
+from extproc.policy import policy_from_text
+from gateway_lab.bench import phases
+from gateway_lab.bench.cores import descendants, pin, split_cores
+from gateway_lab.bench.kvwarden_front import Bucket, config_text
+from gateway_lab.bench.self_overload import ARMS, CompletionSpec, compare, policy_text
+from gateway_lab.processes import envoy_binary
+
+
+def rendered(filters: bool) -> str:
+    policy = policy_from_text(policy_text("127.0.0.1:1"))
+    return render_bootstrap(policy, RenderOptions(extproc_filters=filters, access_log=True))
+
+
+@pytest.mark.parametrize("filters", [True, False])
+def test_timed_bootstrap_adds_every_timing_field_and_envoy_accepts_it(
+    filters: bool, tmp_path: Path
+) -> None:
+    text = phases.timed_bootstrap(rendered(filters))
+    found = json.dumps(json.loads(text))
+    for operator in (*phases.TIMING_FIELDS.values(), *phases.EXT_PROC_FIELDS.values()):
+        assert operator in found
+    config = tmp_path / "envoy.json"
+    config.write_text(text)
+    checked = subprocess.run(
+        [envoy_binary(), "--mode", "validate", "-c", str(config)],
+        capture_output=True, text=True, timeout=120, check=False,
+    )  # fmt: skip
+    assert checked.returncode == 0, checked.stdout[-2000:] + checked.stderr[-2000:]
+
+
+def test_a_bootstrap_without_access_log_is_refused() -> None:
+    policy = policy_from_text(policy_text("127.0.0.1:1"))
+    with pytest.raises(ValueError, match="no access log"):
+        phases.timed_bootstrap(render_bootstrap(policy, RenderOptions(access_log=False)))
+
+
+def test_breakdown_takes_medians_of_the_steps_of_answered_requests(tmp_path: Path) -> None:
+    lines = ["[info] not an access log line"]
+    for index in range(3):
+        row = {
+            "phase_log": "1", "status": 200, "tenant_header": "quiet",
+            "request_in": 500, "upstream_start": 3500 + index * 1000,
+            "upstream_headers": 20_000, "upstream_first_chunk": 37_000,
+            "client_headers": 21_000, "ext_proc_request_header_latency_us": "1400",
+        }  # fmt: skip
+        lines.append(json.dumps(row))
+    lines.append(json.dumps({"phase_log": "1", "status": 503, "request_in": 1}))
+    lines.append(json.dumps({"phase_log": "1", "status": 200, "tenant_header": "flooder"}))
+    log = tmp_path / "envoy.log"
+    log.write_text("\n".join(lines) + "\n")
+    result = phases.breakdown(phases.read_phase_log(log), "quiet")
+    assert result["requests"] == 3
+    steps = result["steps_ms"]
+    assert steps["receive request"]["p50"] == 0.5
+    assert steps["request -> upstream (ext_proc headers + body)"]["p50"] == 4.0
+    assert steps["response headers -> client (ext_proc response headers)"]["p50"] == 1.0
+    assert steps[phases.EXT_PROC_STEPS["ext_proc_request_header_latency_us"]]["p50"] == 1.4
+    assert "  of which: Envoy waits for the request-body reply" not in steps
+
+
+def test_kvwarden_config_fronts_the_engine_with_the_bucket() -> None:
+    config = YAML(typ="safe").load(config_text(8123, "127.0.0.1:9001", "bench", Bucket(600, 10)))
+    assert config["host"] == "127.0.0.1" and config["port"] == 8123
+    assert config["models"] == [{"model_id": "bench", "engine": "vllm", "port": 9001}]
+    assert config["tenant_defaults"] == {"rate_limit_rpm": 600, "rate_limit_burst": 10}
+
+
+def test_completion_requests_ask_for_usage_only_when_told() -> None:
+    plain = orjson.loads(CompletionSpec("quiet", "k", "hi.", 3, 64).body())
+    assert plain["stream"] is True and plain["prompt"] == "hi." and plain["max_tokens"] == 64
+    assert "stream_options" not in plain
+    usage = orjson.loads(CompletionSpec("quiet", "k", "hi.", 3, 64, include_usage=True).body())
+    assert usage["stream_options"] == {"include_usage": True}
+
+
+def test_pin_keeps_this_process_on_its_allowed_cores() -> None:
+    allowed = frozenset(os.sched_getaffinity(0))
+    assert pin(os.getpid(), allowed) >= 1
+    assert os.sched_getaffinity(0) == allowed
+    split = split_cores()
+    if len(allowed) >= 2:
+        assert split is not None and not split.engine & split.front
+        assert split.engine | split.front == allowed
+    else:
+        assert split is None
+    assert os.getpid() not in descendants(os.getpid())
+
+
+def test_targets_read_from_the_arms() -> None:
+    def arm(p50: float, p99: float, failed: int = 0, flooder: dict[str, int] | None = None):  # type: ignore[no-untyped-def]
+        return {
+            "quiet": {"p50_ms": p50, "p99_ms": p99}, "quiet_failed": failed,
+            "flooder": {"status": flooder or {}}, "flooder_refused_without_retry_after": 0,
+            "cpu_cores": {},
+        }  # fmt: skip
+
+    summary = compare(
+        {
+            "alone-straight": arm(30.0, 40.0),
+            "alone-service": arm(30.8, 42.0),
+            "over-full": arm(50.0, 90.0, 0, {"200": 10, "504": 1}),
+        }
+    )
+    targets = summary["targets"]
+    assert targets["added_p50_ms<=1.0"] and targets["added_p99_ms<=3.0"]
+    assert not targets["over_quiet_p99<=2x_solo"]  # 90 / 40 = 2.25
+    assert targets["over_zero_failed_quiet"]
+    assert not targets["over_flooder_only_200_429_503_with_retry_after"]  # a 504
+    assert {a.name for a in ARMS} >= {"alone-straight", "over-full", "over-kvwarden"}
