@@ -31,6 +31,8 @@ from envoy_data_plane.envoy.config.core.v3 import (
     GrpcService,
     GrpcServiceEnvoyGrpc,
     HeaderValue,
+    HeaderValueOption,
+    HeaderValueOptionHeaderAppendAction,
     Http2ProtocolOptions,
     KeepaliveSettings,
     SocketAddress,
@@ -45,8 +47,11 @@ from envoy_data_plane.envoy.config.endpoint.v3 import (
 )
 from envoy_data_plane.envoy.config.listener.v3 import Filter, FilterChain, Listener
 from envoy_data_plane.envoy.extensions.access_loggers.stream.v3 import StdoutAccessLog
+from envoy_data_plane.envoy.extensions.filters.http.buffer.v3 import Buffer
 from envoy_data_plane.envoy.extensions.filters.http.ext_proc.v3 import (
     ExternalProcessor,
+    MetadataOptions,
+    MetadataOptionsMetadataNamespaces,
     ProcessingMode,
     ProcessingModeBodySendMode,
     ProcessingModeHeaderSendMode,
@@ -72,9 +77,11 @@ from envoy_data_plane.envoy.type.v3 import HttpStatus, StatusCode
 from envoy_data_plane.google.protobuf import Any as AnyProto
 from envoy_data_plane.google.protobuf import Struct
 
+from extproc.endpoints import ENDPOINT_CLASSES
 from extproc.envoy_routes import (
     ACCOUNTING_FILTER,
     ADMISSION_FILTER,
+    DRAIN_FILTER,
     local_replies,
     pool_cluster,
     replica_cluster,
@@ -82,8 +89,9 @@ from extproc.envoy_routes import (
 )
 from extproc.policy import Policy
 from extproc.policy.hold import MAX_HOLD_S, envoy_hold_limit
-from extproc.service.roles import ACCOUNTING_ROLE, ROLE_METADATA
-from extproc.types import OWNED_HEADERS
+from extproc.scheduler import DIMENSIONS
+from extproc.service.roles import ACCOUNTING_ROLE, ADMISSION_METADATA, ROLE_METADATA
+from extproc.types import OWNED_HEADERS, QUEUE_MS_HEADER, UPSTREAM_HEADER
 
 EXTPROC_CLUSTER = "extproc"
 _HTTP2_OPTIONS_KEY = "envoy.extensions.upstreams.http.v3.HttpProtocolOptions"
@@ -175,16 +183,64 @@ def _cluster(name: str, endpoints: list[str], http2: bool) -> Cluster:
     return cluster
 
 
-def _strip_owned_headers() -> HttpFilter:
-    """Client copies of the headers the gateway owns are gone before any filter or log sees
-    them; the admission stream sets the gateway's own (and removes copies itself too, for an
-    Envoy configured without this filter)."""
+def admission_response_headers() -> list[str]:
+    """The response headers the admission stream's forward asks for (its dynamic metadata,
+    extproc.service.processor): x-ratelimit-* of every limit dimension, for the tenant and
+    for each endpoint class (`<suffix>-<class>`, extproc.scheduler.ratelimit), and the queue
+    wait."""
+    suffixes = [
+        suffix
+        for dimension in DIMENSIONS
+        for suffix in (
+            dimension.header_suffix,
+            *(f"{dimension.header_suffix}-{endpoint}" for endpoint in ENDPOINT_CLASSES),
+        )
+    ]
+    names = [
+        f"x-ratelimit-{kind}-{suffix}"
+        for suffix in suffixes
+        for kind in ("limit", "remaining", "reset")
+    ]
+    return [*names, QUEUE_MS_HEADER]
+
+
+def _from_admission_metadata(name: str) -> HeaderMutationRule:
+    # No metadata (a request not admitted, or answered by Envoy): the value is empty and
+    # Envoy adds no header.
+    return HeaderMutationRule(
+        append=HeaderValueOption(
+            header=HeaderValue(key=name, value=f"%DYNAMIC_METADATA({ADMISSION_METADATA}:{name})%"),
+            append_action=HeaderValueOptionHeaderAppendAction.OVERWRITE_IF_EXISTS_OR_ADD,
+        )
+    )
+
+
+def _header_mutations() -> HttpFilter:
+    """First filter of the chain, so the last to see the response.
+
+    On the request: client copies of the headers the gateway owns are gone before any filter
+    or log sees them; the admission stream sets the gateway's own (and removes copies itself
+    too, for an Envoy configured without this filter). On the response, after the accounting
+    filter has read it: the upstream header goes, and the headers the admission stream asked
+    for are added. Done here rather than by the admission stream, which ends once the request
+    is forwarded: a crash of the service then cuts no response in flight, streamed or not."""
     config = HeaderMutation(
         mutations=Mutations(
-            request_mutations=[HeaderMutationRule(remove=name) for name in OWNED_HEADERS]
+            request_mutations=[HeaderMutationRule(remove=name) for name in OWNED_HEADERS],
+            response_mutations=[
+                HeaderMutationRule(remove=UPSTREAM_HEADER),
+                *(_from_admission_metadata(name) for name in admission_response_headers()),
+            ],
         )
     )
     return HttpFilter(name="envoy.filters.http.header_mutation", typed_config=AnyProto.pack(config))
+
+
+def _drain_filter() -> HttpFilter:
+    """Off unless a route turns it on: only the route for declared oversized bodies does, to
+    read them whole before its 413 (extproc.envoy_routes)."""
+    config = Buffer(max_request_bytes=1)  # the route's own limit replaces it
+    return HttpFilter(name=DRAIN_FILTER, typed_config=AnyProto.pack(config), disabled=True)
 
 
 def _admission_filter(policy: Policy) -> HttpFilter:
@@ -200,7 +256,8 @@ def _admission_filter(policy: Policy) -> HttpFilter:
         processing_mode=ProcessingMode(
             request_header_mode=ProcessingModeHeaderSendMode.SEND,
             request_body_mode=ProcessingModeBodySendMode.BUFFERED,
-            response_header_mode=ProcessingModeHeaderSendMode.SEND,
+            # The service ends the stream once the request is forwarded (or answered).
+            response_header_mode=ProcessingModeHeaderSendMode.SKIP,
             response_body_mode=ProcessingModeBodySendMode.NONE,
             request_trailer_mode=ProcessingModeHeaderSendMode.SKIP,
             response_trailer_mode=ProcessingModeHeaderSendMode.SKIP,
@@ -208,6 +265,10 @@ def _admission_filter(policy: Policy) -> HttpFilter:
         message_timeout=_seconds(policy.source.gateway.message_timeout),
         max_message_timeout=_seconds(hold_cap),
         stat_prefix="admission",
+        # The forward's dynamic metadata: the client's response headers (_header_mutations).
+        metadata_options=MetadataOptions(
+            receiving_namespaces=MetadataOptionsMetadataNamespaces(untyped=[ADMISSION_METADATA])
+        ),
     )
     # Off unless the route turns it on (extproc.envoy_routes): only the routes to the pools do.
     return HttpFilter(name=ADMISSION_FILTER, typed_config=AnyProto.pack(config), disabled=True)
@@ -288,10 +349,11 @@ def build_bootstrap(policy: Policy, options: RenderOptions) -> Bootstrap:
         delayed_close_timeout=_seconds(5.0),
         http_filters=[
             *(
-                [_strip_owned_headers(), _admission_filter(policy), _accounting_filter()]
+                [_header_mutations(), _admission_filter(policy), _accounting_filter()]
                 if options.extproc_filters
                 else []
             ),
+            _drain_filter(),
             HttpFilter(name="envoy.filters.http.router", typed_config=AnyProto.pack(Router())),
         ],
         local_reply_config=local_replies(),
@@ -347,6 +409,7 @@ __all__ = [
     "ACCOUNTING_FILTER",
     "ADMISSION_FILTER",
     "RenderOptions",
+    "admission_response_headers",
     "build_bootstrap",
     "render_bootstrap",
     "split_host_port",

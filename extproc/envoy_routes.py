@@ -44,6 +44,7 @@ from envoy_data_plane.envoy.config.route.v3 import (
     VirtualHost,
 )
 from envoy_data_plane.envoy.extensions.access_loggers.filters.cel.v3 import ExpressionFilter
+from envoy_data_plane.envoy.extensions.filters.http.buffer.v3 import Buffer, BufferPerRoute
 from envoy_data_plane.envoy.extensions.filters.http.ext_proc.v3 import (
     ExtProcOverrides,
     ExtProcPerRoute,
@@ -53,11 +54,13 @@ from envoy_data_plane.envoy.extensions.filters.network.http_connection_manager.v
     ResponseMapper,
 )
 from envoy_data_plane.envoy.type.matcher.v3 import StringMatcher
+from envoy_data_plane.envoy.type.v3 import Int64Range
 from envoy_data_plane.google.protobuf import Any as AnyProto
 from envoy_data_plane.google.protobuf import Struct
 from orjson import dumps
 
 from extproc.endpoints import ENDPOINTS
+from extproc.errors import http_answer, too_large
 from extproc.openai_request import INFERENCE_PATHS
 from extproc.policy import Policy
 from extproc.scheduler import retry_after
@@ -66,6 +69,10 @@ from extproc.types import POOL_HEADER, REPLICA_HEADER, UPSTREAM_HEADER
 MODELS_PATH = "/v1/models"
 ADMISSION_FILTER = "extproc.admission"
 ACCOUNTING_FILTER = "extproc.accounting"
+DRAIN_FILTER = "extproc.drain_oversized"
+DRAIN_MIN_BYTES = 32 * 1024 * 1024
+"""A body declared above the limit is read whole before its 413 up to this size (or twice the
+limit, if larger): see `_oversized`."""
 _JSON = "application/json"
 _NOT_JSON_RESPONSE = (
     "!('content-type' in response.headers) || "
@@ -203,6 +210,37 @@ def _wrong_method(path: str, allowed: str) -> Route:
     return _answer(RouteMatch(path=path), 405, error, allow)
 
 
+def drain_limit(max_body_bytes: int) -> int:
+    return max(DRAIN_MIN_BYTES, 2 * max_body_bytes)
+
+
+def _oversized(max_body_bytes: int) -> Route:
+    """A body whose content-length is above the limit: read it whole, then answer 413.
+
+    Answered early, the 413 is followed by a close without reading the rest (Envoy does not
+    drain unread request bodies, envoyproxy/envoy#36080), and a client that writes the whole
+    body before reading (Python's http.client) gets a connection reset once the body outgrows
+    the socket buffers. Here the buffer filter (off elsewhere, extproc.envoy_config) takes in
+    the whole body first; the direct answer then comes after the request, which the client
+    reads. The cost is buffering up to `drain_limit` bytes per such request: a larger declared
+    body is refused early by the admission stream, as a chunked one past the limit is by the
+    admission filter's buffer (docs/deploy.md)."""
+    limit = drain_limit(max_body_bytes)
+    declared = HeaderMatcher(
+        name="content-length", range_match=Int64Range(start=max_body_bytes + 1, end=limit + 1)
+    )
+    answer = http_answer(too_large(max_body_bytes))
+    drain = BufferPerRoute(buffer=Buffer(max_request_bytes=limit))
+    return Route(
+        match=RouteMatch(prefix="/", headers=[declared]),
+        direct_response=DirectResponseAction(
+            status=answer.status, body=DataSource(inline_string=answer.body.decode())
+        ),
+        response_headers_to_add=[_add_header("content-type", _JSON)],
+        typed_per_filter_config={DRAIN_FILTER: AnyProto.pack(drain)},
+    )
+
+
 def pool_cluster(pool: str) -> str:
     return f"pool_{pool}"
 
@@ -218,8 +256,8 @@ def _exact(header: str, value: str) -> HeaderMatcher:
 
 def routes(policy: Policy, extproc_filters: bool) -> RouteConfiguration:
     # The accounting stream learns which engine served the response (to correct cut-short
-    # streams from its counters, extproc.service.reconcile); the admission stream removes
-    # the header before the client sees it.
+    # streams from its counters, extproc.service.reconcile); the header-mutation filter
+    # removes the header before the client sees it (extproc.envoy_config).
     upstream = [_add_header(UPSTREAM_HEADER, "%UPSTREAM_HOST%")] if extproc_filters else []
     smallest = f"pool_{policy.pools_by_size[0][0]}"
 
@@ -232,7 +270,7 @@ def routes(policy: Policy, extproc_filters: bool) -> RouteConfiguration:
             typed_per_filter_config=_filters_on(extproc_filters),
         )
 
-    table: list[Route] = []
+    table: list[Route] = [_oversized(policy.source.gateway.max_body_bytes)]
     for path in INFERENCE_PATHS:
         # The admission filter sets x-llm-pool and clears the route cache: the second match
         # picks the pool, one that serves the path's class. Before that (and without the
@@ -265,7 +303,9 @@ def routes(policy: Policy, extproc_filters: bool) -> RouteConfiguration:
 __all__ = [
     "ACCOUNTING_FILTER",
     "ADMISSION_FILTER",
+    "DRAIN_FILTER",
     "MODELS_PATH",
+    "drain_limit",
     "local_replies",
     "pool_cluster",
     "replica_cluster",

@@ -10,8 +10,8 @@ TIER_HEADER = "x-tier"
 POOL_HEADER = "x-llm-pool"
 GATEWAY_REQUEST_ID_HEADER = "x-gateway-request-id"
 UPSTREAM_HEADER = "x-gateway-upstream"
-"""Response header Envoy adds (the engine's address) for the accounting stream; the
-admission stream removes it before the client sees the response."""
+"""Response header Envoy adds (the engine's address) for the accounting stream; Envoy's
+header-mutation filter removes it before the client sees the response (extproc.envoy_config)."""
 REPLICA_HEADER = "x-llm-replica"
 """The pool endpoint (its index in the policy's `endpoints`) the locality index chose
 (fairness `dlpm`): Envoy routes on it to that endpoint's own cluster."""
@@ -27,6 +27,8 @@ OWNED_HEADERS: tuple[str, ...] = (
 PRIORITY_HEADER = "x-priority"
 DEADLINE_HEADER = "x-deadline-ms"
 ENGINE_HEADER = "x-engine-id"
+QUEUE_MS_HEADER = "x-gateway-queue-ms"
+"""Response header: how long the request waited for admission."""
 
 
 class Outcome(enum.StrEnum):

@@ -90,9 +90,9 @@ def describe_endpoints(source: PolicyFile) -> list[str]:
 def _prefill_origin(pool: Pool) -> str:
     budget = pool.effective_prefill_budget
     if budget == 0:
-        return "prefill pacing off"
-    origin = "default: max_total_tokens" if pool.prefill_budget_tokens is None else "set"
-    return f"prefill budget {budget} prompt tokens for backlogged tenants ({origin})"
+        origin = "default" if pool.prefill_budget_tokens is None else "set"
+        return f"prefill pacing off ({origin})"
+    return f"prefill budget {budget} prompt tokens for backlogged tenants"
 
 
 def describe_isolation(source: PolicyFile) -> list[str]:

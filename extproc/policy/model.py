@@ -159,14 +159,15 @@ class Pool(StrictModel):
     ignores the field; false: the body keeps the client's own `priority`, if any."""
     prefill_budget_tokens: NonNegativeInt | Literal[False] | None = None
     """Prompt tokens admitted and not yet answered with a first token, per pool, above which
-    a backlogged tenant's next request waits (light tenants are not paced). Omitted:
-    max_total_tokens (one largest request); 0 or false: off."""
+    a backlogged tenant's next request waits (light tenants are not paced). Omitted, 0 or
+    false: off (opt-in: at max_total_tokens it cost throughput and did not lower the quiet
+    tenant's P99 on noisy-neighbour, docs/isolation.md)."""
 
     @property
     def effective_prefill_budget(self) -> int:
         """The prefill budget the pool runs with (0: no pacing)."""
         if self.prefill_budget_tokens is None:
-            return self.max_total_tokens
+            return 0
         return int(self.prefill_budget_tokens)
 
     @property

@@ -3,8 +3,8 @@
 The second ext_proc filter in Envoy runs in observability mode: Envoy does not wait for us and
 we never reply. It sees the request headers (after the admission filter set
 x-gateway-request-id, which links the two streams), the response headers and every response
-body chunk. Envoy closes the admission stream as soon as it needs nothing more from it (right
-after the response headers), so this stream is the one that knows when the response has ended:
+body chunk. The admission stream ends as soon as the request is forwarded, so this stream is
+the one that knows when the response has ended:
 capacity is released and the tenant's account settled here, through the request's
 `AccountedLease` (the same for a request admitted here or by another process).
 """

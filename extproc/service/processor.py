@@ -48,16 +48,17 @@ from extproc.scheduler.ratelimit import capacity_exceeded
 from extproc.service import responses
 from extproc.service.ports import AdmissionPort
 from extproc.service.request import Request
+from extproc.service.roles import ADMISSION_METADATA
 from extproc.types import (
     DEADLINE_HEADER,
     GATEWAY_REQUEST_ID_HEADER,
     OWNED_HEADERS,
     POOL_HEADER,
     PRIORITY_HEADER,
+    QUEUE_MS_HEADER,
     REPLICA_HEADER,
     TENANT_HEADER,
     TIER_HEADER,
-    UPSTREAM_HEADER,
     Outcome,
 )
 
@@ -225,7 +226,8 @@ class AdmissionProcessor:
             self._turn = None
         state.outcome = Outcome.ADMITTED
         self.port.admitted(state)
-        yield self._forward(request, state.grant.engine_priority)
+        state.forwarded = True
+        yield self._forward(request, state.grant)
 
     def _max_output(self, request: InferenceRequest) -> int:
         """The output tokens reserved: none for a pooling request (embeddings, rerank), so
@@ -234,10 +236,13 @@ class AdmissionProcessor:
             return 0
         return request.max_tokens or self.policy.source.gateway.default_max_tokens
 
-    def _forward(self, request: InferenceRequest, priority: int | None) -> ProcessingResponse:
+    def _forward(self, request: InferenceRequest, grant: Grant) -> ProcessingResponse:
         """Let the request go upstream with the gateway's headers, and with the engine
-        `priority` the scheduler chose, if any (it replaces the client's own); a pooling
-        call to a pool with `pooling_priority` carries that one instead.
+        `priority` the scheduler chose, if any (it replaces the client's own; a pooling call
+        to a pool with `pooling_priority` carries that one instead); the client's
+        response headers (x-ratelimit-*, the queue wait) go to Envoy as dynamic metadata,
+        which Envoy adds to the response itself (extproc.envoy_config), since this stream
+        ends now.
 
         A streamed request without `stream_options.include_usage` gets it added: the engine
         then ends the stream with one usage chunk (`"choices": []`), which is the only exact
@@ -249,22 +254,27 @@ class AdmissionProcessor:
         its engine priority (the pool's `pooling_priority`, which puts a batch behind chat).
         """
         values, removed = self._upstream_headers()
+        body = None
+        priority = grant.engine_priority
         if request.endpoint in POOLING_CLASSES:
             assert self.state.pool is not None
             pooling = self.policy.pools[self.state.pool].pooling_priority
             priority = priority if pooling is None else pooling
         add_usage = request.stream and not request.include_usage
-        if not add_usage and priority is None:
-            return responses.continue_request_body(values, removed, clear_route_cache=True)
         if add_usage:
             options = request.body.get("stream_options") or {}
             request.body["stream_options"] = {**options, "include_usage": True}
         if priority is not None:
             request.body["priority"] = priority
-        body = orjson.dumps(request.body)
-        # Envoy answers 500 if a body mutation leaves a stale content-length.
-        values.append(("content-length", str(len(body))))
-        return responses.continue_request_body(values, removed, clear_route_cache=True, body=body)
+        if add_usage or priority is not None:
+            body = orjson.dumps(request.body)
+            # Envoy answers 500 if a body mutation leaves a stale content-length.
+            values.append(("content-length", str(len(body))))
+        reply = responses.continue_request_body(values, removed, clear_route_cache=True, body=body)
+        response_headers = dict(grant.ratelimit_headers)
+        response_headers[QUEUE_MS_HEADER] = f"{grant.wait_s * 1000.0:.1f}"
+        responses.fill_metadata(reply, ADMISSION_METADATA, response_headers)
+        return reply
 
     def _settle_turn(self, turn: asyncio.Future[Grant]) -> None:
         """The wait ended without a grant in hand: the client left (Envoy cancelled us),
@@ -309,17 +319,6 @@ class AdmissionProcessor:
             return ()
         data = render_prompt(prompt.texts, prompt.tools_json)
         return prefix_blocks(data, fairness.locality.block_bytes)
-
-    def on_response_headers(self, message: HttpHeaders) -> ProcessingResponse:
-        self.state.response_started = True
-        grant = self.state.grant
-        if grant is None:
-            return responses.continue_response_headers(remove=(UPSTREAM_HEADER,))
-        values = [
-            *grant.ratelimit_headers.items(),
-            ("x-gateway-queue-ms", f"{grant.wait_s * 1000.0:.1f}"),
-        ]
-        return responses.continue_response_headers(values, remove=(UPSTREAM_HEADER,))
 
     def finish(self) -> None:
         """Runs when the stream ends, however it ends: release, count, log."""

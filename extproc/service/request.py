@@ -34,7 +34,7 @@ from extproc.types import Outcome
 request_log = logging.getLogger("extproc.request")
 
 ATTACH_GRACE_S = 1.0
-"""How long a request whose response started waits for its accounting stream to attach
+"""How long a forwarded request waits for its accounting stream to attach
 before its capacity is freed without one (that filter fails open). Envoy opens that stream
 when the request is forwarded, before the engine answers, so it is late only by the event
 loop's lag; a shared-state gate adds its own hand-off grace on top (extproc.state.gate)."""
@@ -56,8 +56,8 @@ class Request:
     prompt_estimate: int = 0
     budget: int = 0
     grant: Grant | None = None
-    response_started: bool = False
-    """The admission stream answered the response headers: an engine has the request."""
+    forwarded: bool = False
+    """The admission stream let the request go upstream (it ends right after)."""
     outcome: Outcome | None = None
     error: GatewayError | None = None
     # -- after the decision: written and read by this module only --------------------------
@@ -143,14 +143,14 @@ class Settlement:
     # -- the admission stream's end ---------------------------------------------------------
 
     def admission_ended(self, request: Request) -> None:
-        """The admission stream closed. The service ends it right after the response headers
-        (extproc.service.server), so unless the accounting stream took over, the request never
-        reached an engine."""
+        """The admission stream closed. The service ends it right after the forward
+        (extproc.service.server); ended before, the request never reached an engine."""
         request.admission_ended_at = time.monotonic()
         if request.grant is not None and not request.accounting_attached and not request.released:
-            if request.response_started:
-                # The response is under way and its accounting stream, opened by Envoy at the
-                # same time, may not have reached us yet: its capacity stays taken meanwhile.
+            if request.forwarded:
+                # The request is on its way to an engine and its accounting stream, opened by
+                # Envoy right after the forward, may not have reached us yet: its capacity
+                # stays taken meanwhile.
                 asyncio.get_running_loop().call_later(
                     ATTACH_GRACE_S, self._unclaimed_after_grace, request
                 )

@@ -77,12 +77,12 @@ def continue_request_body(
     return reply
 
 
-def continue_response_headers(
-    set_headers: Headers = (), remove: Iterable[str] = ()
-) -> ProcessingResponse:
-    reply = ProcessingResponse()
-    _fill_common(reply.response_headers.response, set_headers, remove, False, None)
-    return reply
+def fill_metadata(reply: ProcessingResponse, namespace: str, values: Mapping[str, str]) -> None:
+    """Dynamic metadata Envoy keeps for the request under `namespace` (the filter must list
+    it in metadata_options.receiving_namespaces)."""
+    fields = reply.dynamic_metadata.fields[namespace].struct_value.fields
+    for key, value in values.items():
+        fields[key].string_value = value
 
 
 def immediate(answer: HttpAnswer) -> ProcessingResponse:

@@ -8,7 +8,6 @@ from collections.abc import AsyncIterator
 import grpc
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ext_proc_grpc
 from envoy.service.ext_proc.v3.external_processor_pb2 import (
-    BodyResponse,
     ProcessingRequest,
     ProcessingResponse,
 )
@@ -51,23 +50,21 @@ class ExternalProcessorService(ext_proc_grpc.ExternalProcessorServicer):  # type
         if overload is not None:
             overload.stream_opened(processor)
         try:
+            # Once the request is forwarded or answered nothing more is asked of this stream
+            # (the response phases are not sent to it): end it then with OK, which Envoy takes
+            # as "processing complete". Left open, a crash of this process would make Envoy
+            # reset the response in flight, streamed or not.
             async for request in request_iterator:
                 if request.HasField("request_body"):
                     async for response in processor.on_request_body(request.request_body):
                         if overload is not None:
                             overload.stream_answered(processor)  # answered or held
                         yield response
-                elif request.HasField("request_headers"):
-                    yield processor.on_request_headers(request.request_headers)
-                elif request.HasField("response_headers"):
-                    yield processor.on_response_headers(request.response_headers)
-                    # Nothing more is asked of this stream (response body and trailers are
-                    # not sent to it): end it now with OK, which Envoy takes as "processing
-                    # complete". Left open for the whole response, a crash of this process
-                    # would make Envoy reset every response in flight.
                     return
-                elif request.HasField("response_body"):
-                    yield ProcessingResponse(response_body=BodyResponse())
+                if request.HasField("request_headers"):
+                    yield processor.on_request_headers(request.request_headers)
+                    if request.request_headers.end_of_stream or processor.state.outcome is not None:
+                        return
                 else:
                     log.warning("unexpected ext_proc phase %s", request.WhichOneof("request"))
         except Exception:

@@ -34,7 +34,6 @@ from gateway_lab.bench.overhead import BENCH_KEY, bench_policy
 PHASES = (
     "request headers",
     "request body (admission)",
-    "response headers",
     "admission stream end",
     "accounting headers",
     "output chunks",
@@ -84,8 +83,6 @@ async def _run_one(gateway: Gateway, request: OneRequest, totals: dict[str, floa
     async for _reply in admission.on_request_body(request.request_body):
         pass
     t2 = clock()
-    admission.on_response_headers(request.response_headers)
-    t3 = clock()
     admission.finish()
     t4 = clock()
     linked = http_headers([(":path", "/v1/chat/completions"),
@@ -102,7 +99,7 @@ async def _run_one(gateway: Gateway, request: OneRequest, totals: dict[str, floa
     accounting.on_response_body(request.last_chunk)
     t8 = clock()
     for phase, spent in zip(
-        PHASES, (t1 - t0, t2 - t1, t3 - t2, t4 - t3, t6 - t5, t7 - t6, t8 - t7), strict=True
+        PHASES, (t1 - t0, t2 - t1, t4 - t2, t6 - t5, t7 - t6, t8 - t7), strict=True
     ):
         totals[phase] += spent
 

@@ -29,6 +29,7 @@ import struct
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,6 +38,7 @@ from typing import Any
 import orjson
 
 from extproc.policy import hash_key
+from extproc.service.request import ATTACH_GRACE_S
 from gateway_lab.bench.figures import pyplot, save_figure
 from gateway_lab.bench.records import percentile
 from gateway_lab.bench.stack import cpu_seconds, free_port
@@ -294,7 +296,7 @@ def run_load(
                 latencies.append(int(fields[2]) / 1e6)
             elif fields[1] != "0":  # 0: still in flight when the run stopped
                 failed += 1
-    admitted = sum(_admitted(url) for url in admin_urls) - admitted_before
+    admitted = _admissions_recorded(admin_urls, admitted_before, len(latencies))
     # Warm-up requests are admitted but not logged: a shortfall means gRPC-level failures.
     errors = failed + max(0, len(latencies) - admitted)
     return {
@@ -335,6 +337,18 @@ def tree_cpu_seconds(pid: int) -> float:
                 children = (task / "children").read_text().split()
                 pending.extend(int(child) for child in children)
     return total
+
+
+def _admissions_recorded(admin_urls: list[str], before: int, expected: int) -> int:
+    """Admissions counted since `before`, once `expected` are (or a few seconds passed): no
+    accounting stream follows these admissions, so each is recorded when its attach grace
+    (extproc.service.request.ATTACH_GRACE_S) is over, up to that long after its call ended."""
+    deadline = time.monotonic() + 3 * ATTACH_GRACE_S + 2.0
+    while True:
+        admitted = sum(_admitted(url) for url in admin_urls) - before
+        if admitted >= expected or time.monotonic() > deadline:
+            return admitted
+        time.sleep(0.1)
 
 
 def _admitted(admin_url: str) -> int:

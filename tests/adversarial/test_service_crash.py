@@ -1,6 +1,6 @@
 """kill -9 of the ext_proc service through the real Envoy, engines alive: responses already
-streaming complete, held requests get an answer at once, new requests are refused (never
-forwarded unadmitted) until the restarted service is ready, then pass."""
+under way complete (streamed or not), held requests get an answer at once, new requests are
+refused (never forwarded unadmitted) until the restarted service is ready, then pass."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ import pytest
 from gateway_lab.processes import Child, RestartLimits, Supervisor, http_ok
 from tests.conftest import TEST_KEYS, policy_yaml
 from tests.dataplane.harness import RunningGateway, running_gateway
+from tests.dataplane.test_accounting import scrape
 from tests.dataplane.test_admission import settled, tenants_view, wait_for_view
 
 pytestmark = pytest.mark.dataplane
@@ -123,6 +124,48 @@ async def test_streams_survive_a_service_crash_and_new_requests_wait_for_its_res
         assert view["tenants"]["globex"]["inflight"] == 0
         pools = (await tenants_view(session, gateway))["pools"]
         assert pools["short"]["inflight"] == 0 and pools["long"]["inflight"] == 0
+
+
+async def test_a_non_streamed_response_generating_through_a_crash_is_served_whole(
+    gateway: RunningGateway,
+) -> None:
+    """A non-streamed response has its headers only when generation ends: the admission stream
+    must not be open until then, or the crash cuts it. The headers the admission stream asked
+    for (x-ratelimit-*, the queue wait) still reach the client; the engine's address does not.
+    The restarted service charges only what it sees."""
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as session:
+        generating = asyncio.ensure_future(post(session, gateway, chat(_LONG, stream=False)))
+        await wait_for_view(session, gateway, lambda v: v["tenants"]["globex"]["inflight"] == 1)
+        kill_service(gateway)
+        assert not generating.done()
+        status, headers, raw = await post(session, gateway, chat(5, stream=False))
+        assert status == 503, (status, raw)
+        assert int(headers["Retry-After"]) >= 1
+        assert openai_error(raw)["type"] == "service_unavailable"
+
+        status, headers, raw = await generating
+        assert status == 200, raw
+        assert orjson.loads(raw)["usage"]["completion_tokens"] == _LONG
+        assert headers["x-ratelimit-limit-requests"] == "600"
+        assert float(headers["x-gateway-queue-ms"]) >= 0.0
+        assert "x-gateway-upstream" not in {name.lower() for name in headers}
+
+        await restarted(gateway)
+        status, headers, raw = await post(session, gateway, chat(5, stream=False))
+        assert status == 200, raw
+        usage = orjson.loads(raw)["usage"]
+        assert "x-ratelimit-remaining-requests" in headers
+        view = await wait_for_view(session, gateway, settled)
+        assert view["tenants"]["globex"]["inflight"] == 0
+        metrics = await scrape(session, gateway.admin_url + "/metrics")
+
+    def counted(direction: str) -> float:
+        key = ("extproc_tokens_total", ("direction", direction), ("tenant", "globex"))
+        return metrics.get(key, 0.0)
+
+    # The response that outlived the crash is nobody's charge now; the new one is counted once.
+    assert counted("output") == usage["completion_tokens"] == 5
+    assert counted("input") == usage["prompt_tokens"]
 
 
 async def test_requests_during_an_outage_get_an_openai_503_with_retry_after(

@@ -26,6 +26,7 @@ from tests.grpc.test_extproc_stream import (
     body_message,
     chat_body,
     headers_message,
+    response_ends,
     set_headers,
 )
 from tests.grpc_support import served_stub
@@ -198,6 +199,7 @@ async def test_a_budget_above_the_token_bucket_is_400_not_429(served) -> None:  
     assert reply.WhichOneof("response") == "request_body"
     await peer.close()
     await peer.call.code()
+    await response_ends(stub, reply)
     assert gateway.scheduler.snapshot()["pools"]["short"]["inflight"] == 0
 
 

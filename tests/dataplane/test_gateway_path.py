@@ -59,6 +59,10 @@ def test_non_streamed_chat(gateway: RunningGateway) -> None:
     assert body["usage"]["completion_tokens"] == 5
     assert response.headers["x-engine-id"].startswith("short")
     assert "x-ratelimit-remaining-requests" in response.headers
+    # Envoy adds the admission's headers (its dynamic metadata) and removes the engine address
+    # the accounting filter read.
+    assert float(response.headers["x-gateway-queue-ms"]) >= 0.0
+    assert "x-gateway-upstream" not in response.headers
 
 
 def test_streamed_chat_with_usage(gateway: RunningGateway) -> None:
@@ -66,6 +70,8 @@ def test_streamed_chat_with_usage(gateway: RunningGateway) -> None:
         gateway, chat(max_tokens=6, stream=True, stream_options={"include_usage": True})
     )
     assert response.status == 200
+    assert response.headers["x-ratelimit-limit-requests"]
+    assert "x-gateway-upstream" not in response.headers
     events = [line[6:] for line in response.data.decode().splitlines() if line.startswith("data: ")]
     assert events[-1] == "[DONE]"
     usage = orjson.loads(events[-2])["usage"]
@@ -115,6 +121,10 @@ def test_x_api_key_header_identifies(gateway: RunningGateway) -> None:
 def test_malformed_json_and_over_limit(gateway: RunningGateway) -> None:
     bad = post(gateway, b"{this is not json")
     assert bad.status == 400 and error_of(bad)["code"] == "invalid_json"
+    # Not admitted: no metadata, so no empty rate-limit or queue headers either.
+    assert not [
+        name for name in bad.headers if name.lower().startswith(("x-ratelimit-limit", "x-gateway-"))
+    ]
     huge = post(gateway, chat(max_tokens=1_000_000))
     assert huge.status == 400 and error_of(huge)["code"] == "context_length_exceeded"
     assert "16384" in str(error_of(huge)["message"])

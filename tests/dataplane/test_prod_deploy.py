@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from envoy.extensions.filters.http.header_mutation.v3 import header_mutation_pb2
 from envoy.extensions.filters.network.http_connection_manager.v3 import (
     http_connection_manager_pb2 as hcm_pb2,
 )
@@ -142,6 +143,15 @@ def test_deployment_is_non_root_bounded_and_drains_within_its_grace() -> None:
     assert pod["terminationGracePeriodSeconds"] > pre_stop + grace
 
 
+_HEADER_MUTATION = "envoy.filters.http.header_mutation"
+
+
+def header_mutation(config: dict[str, Any]) -> header_mutation_pb2.HeaderMutation:
+    """A HeaderMutation proto from proto JSON (snake_case or camelCase alike)."""
+    body = {k: v for k, v in config.items() if k != "@type"}
+    return json_format.ParseDict(body, header_mutation_pb2.HeaderMutation())
+
+
 def test_istio_envoyfilter_inserts_both_filters_like_the_render() -> None:
     policy = configmap_policy()
     bootstrap = rendered(policy)
@@ -149,11 +159,18 @@ def test_istio_envoyfilter_inserts_both_filters_like_the_render() -> None:
     patches = envoy_filter["spec"]["configPatches"]
     http_filters = [p for p in patches if p["applyTo"] == "HTTP_FILTER"]
     assert [p["patch"]["value"]["name"] for p in http_filters] == [
+        _HEADER_MUTATION,
         ADMISSION_FILTER,
         ACCOUNTING_FILTER,
     ]
+    # The header-mutation filter as the render has it (owned headers stripped; the admission
+    # stream's response headers added from its dynamic metadata).
+    mutation = http_filters[0]["patch"]["value"]["typed_config"]
+    assert header_mutation(mutation) == header_mutation(
+        rendered_filter(bootstrap, _HEADER_MUTATION)
+    )
     fqdn, grpc_port = service_fqdn()
-    for patch in http_filters:
+    for patch in http_filters[1:]:
         assert patch["match"]["context"] == "GATEWAY"
         chain = patch["match"]["listener"]["filterChain"]["filter"]
         assert chain["name"] == _MANAGER and chain["subFilter"]["name"] == _ROUTER
@@ -165,7 +182,7 @@ def test_istio_envoyfilter_inserts_both_filters_like_the_render() -> None:
         assert ext_proc(config) == ext_proc(expected), value["name"]
         cluster = config["grpc_service"]["envoy_grpc"]["cluster_name"]
         assert cluster == f"outbound|{grpc_port}||{fqdn}"
-    accounting = http_filters[1]["patch"]["value"]["typed_config"]
+    accounting = http_filters[2]["patch"]["value"]["typed_config"]
     assert accounting["observability_mode"] is True
     manager = rendered_manager(bootstrap)
     merged = next(p for p in patches if p["applyTo"] == "NETWORK_FILTER")["patch"]["value"]
@@ -241,9 +258,10 @@ def test_envoy_gateway_extension_policy_matches_the_render() -> None:
     assert (entry["processingMode"]["request"]["body"] == "Buffered") == (
         mode.get("requestBodyMode") == "BUFFERED"
     )
-    # A `response` entry sends response headers; without `body` it sends no response body.
-    assert "response" in entry["processingMode"] and mode["responseHeaderMode"] == "SEND"
-    assert "body" not in entry["processingMode"]["response"] and "responseBodyMode" not in mode
+    # A `response` entry would send response headers: the render skips them, and sends no
+    # response body.
+    assert "response" not in entry["processingMode"] and mode["responseHeaderMode"] == "SKIP"
+    assert "responseBodyMode" not in mode
     assert entry["failOpen"] is bool(admission.get("failureModeAllow", False))
     # No max_message_timeout in this API: the message timeout covers the longest hold.
     assert duration_s(entry["messageTimeout"]) == duration_s(admission["maxMessageTimeout"])
@@ -307,7 +325,8 @@ def test_deploy_filter_snippets_pass_envoy_validate(tmp_path: Path) -> None:
     istio_filters = [
         copy.deepcopy(p["patch"]["value"]) for p in patches if p["applyTo"] == "HTTP_FILTER"
     ]
-    cluster_name = istio_filters[0]["typed_config"]["grpc_service"]["envoy_grpc"]["cluster_name"]
+    admission = next(f for f in istio_filters if f["name"] == ADMISSION_FILTER)
+    cluster_name = admission["typed_config"]["grpc_service"]["envoy_grpc"]["cluster_name"]
     eg_ops = find("envoy-gateway", "EnvoyPatchPolicy")["spec"]["jsonPatches"]
     appended = [
         p["operation"]["value"]

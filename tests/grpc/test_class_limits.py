@@ -9,13 +9,14 @@ from collections.abc import AsyncIterator
 import orjson
 import pytest
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ext_proc_grpc
-from envoy.service.ext_proc.v3.external_processor_pb2 import ProcessingRequest, ProcessingResponse
+from envoy.service.ext_proc.v3.external_processor_pb2 import ProcessingResponse
 
+from extproc.envoy_config import admission_response_headers
 from extproc.policy import policy_from_text
 from extproc.scheduler import ManualClock
 from extproc.service.composition import compose
 from extproc.service.gateway import Gateway
-from extproc.service.processor import http_headers
+from extproc.service.roles import ADMISSION_METADATA
 from tests.conftest import TEST_KEYS, policy_yaml
 from tests.grpc.test_extproc_stream import EnvoyPeer, body_message, headers_message
 from tests.grpc_support import served_stub
@@ -68,11 +69,14 @@ def answer(reply: ProcessingResponse) -> tuple[int, dict[str, str], dict[str, st
     return immediate.status.code, headers, orjson.loads(immediate.body)["error"]
 
 
-async def response_headers(peer: EnvoyPeer) -> dict[str, str]:
-    """The headers the service adds to the client's response (the admitted request's)."""
-    reply = await peer.send(ProcessingRequest(response_headers=http_headers([(":status", "200")])))
-    mutation = reply.response_headers.response.header_mutation
-    return {h.header.key: h.header.raw_value.decode() for h in mutation.set_headers}
+def response_headers(forward: ProcessingResponse) -> dict[str, str]:
+    """The headers the service asks Envoy to add to the client's response (the admitted
+    request's): the forward's dynamic metadata, each of which Envoy's header-mutation filter
+    adds (extproc.envoy_config.admission_response_headers)."""
+    fields = forward.dynamic_metadata.fields[ADMISSION_METADATA].struct_value.fields
+    sent = {name: value.string_value for name, value in fields.items()}
+    assert set(sent) <= set(admission_response_headers())
+    return sent
 
 
 async def test_a_class_bucket_rejects_its_class_while_another_passes(served) -> None:  # type: ignore[no-untyped-def]
@@ -82,7 +86,7 @@ async def test_a_class_bucket_rejects_its_class_while_another_passes(served) -> 
         peer, reply = await ask(stub, "/v1/completions", completion_body())
         assert reply.WhichOneof("response") == "request_body", reply
         peers.append(peer)
-    sent = await response_headers(peers[1])
+    sent = response_headers(reply)
     assert sent["x-ratelimit-limit-requests-completions"] == "2"
     assert sent["x-ratelimit-remaining-requests-completions"] == "0"
     assert sent["x-ratelimit-limit-requests"] == "600"
@@ -98,7 +102,7 @@ async def test_a_class_bucket_rejects_its_class_while_another_passes(served) -> 
     await peer.close()
     chat_peer, reply = await ask(stub, "/v1/chat/completions", chat_body())
     assert reply.WhichOneof("response") == "request_body", reply
-    sent = await response_headers(chat_peer)
+    sent = response_headers(reply)
     assert "x-ratelimit-limit-requests-completions" not in sent
     assert sent["x-ratelimit-remaining-requests"] == "597"
     clock.advance(2.0)  # the advertised Retry-After: the class bucket holds one request again

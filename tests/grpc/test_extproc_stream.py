@@ -20,7 +20,7 @@ from extproc.service import request as request_record
 from extproc.service.composition import compose
 from extproc.service.gateway import Gateway
 from extproc.service.processor import http_headers
-from extproc.service.roles import ACCOUNTING_ROLE, ROLE_METADATA
+from extproc.service.roles import ACCOUNTING_ROLE, ADMISSION_METADATA, ROLE_METADATA
 from tests.conftest import TEST_KEYS, policy_yaml
 from tests.grpc_support import served_stub
 
@@ -73,6 +73,32 @@ class EnvoyPeer:
 
     async def close(self) -> None:
         await self.outbox.put(None)
+
+
+async def response_ends(
+    stub: ext_proc_grpc.ExternalProcessorStub,
+    forward: ProcessingResponse,
+    usage: tuple[int, int] | None = None,
+) -> None:
+    """What Envoy does once a forwarded request's response ends: the admission stream has
+    already ended (right after `forward`); the accounting stream sees the request headers
+    (with the gateway's request id) and the whole response, then closes, which settles.
+    `usage` (prompt, completion tokens): a JSON response that reports them; None: a response
+    without a body."""
+    request_id = set_headers(forward, "request_body")["x-gateway-request-id"]
+    linked = [("x-gateway-request-id", request_id)]
+    messages = [headers_message("POST", "/v1/chat/completions", None, linked)]
+    if usage is None:
+        end = http_headers([(":status", "200")], end_of_stream=True)
+        messages.append(ProcessingRequest(response_headers=end))
+    else:
+        json_response = [(":status", "200"), ("content-type", "application/json")]
+        counts = {"prompt_tokens": usage[0], "completion_tokens": usage[1]}
+        body = orjson.dumps({"choices": [], "usage": counts})
+        messages.append(ProcessingRequest(response_headers=http_headers(json_response)))
+        messages.append(ProcessingRequest(response_body=HttpBody(body=body, end_of_stream=True)))
+    accounting = stub.Process(iter(messages), metadata=((ROLE_METADATA, ACCOUNTING_ROLE),))
+    assert await asyncio.wait_for(accounting.code(), 5) == grpc.StatusCode.OK
 
 
 @pytest.fixture
@@ -176,8 +202,9 @@ async def test_held_request_gets_override_then_admission_after_release(service) 
     assert held.override_message_timeout.seconds >= 30
     assert gateway.scheduler.snapshot()["tenants"]["initech"]["queued"] == 1
 
-    await first.close()  # Envoy ends the first stream: its capacity is released
-    await first.call.code()
+    # The service ended the first stream after its forward; its response then ends.
+    assert await asyncio.wait_for(first.call.code(), 5) == grpc.StatusCode.OK
+    await response_ends(stub, admitted)
     reply = await second.read()
     assert reply.WhichOneof("response") == "request_body"
     await second.close()
@@ -188,7 +215,7 @@ async def test_disconnect_while_held_leaves_nothing_queued(service) -> None:  # 
     gateway, stub = service
     first = EnvoyPeer(stub)
     await first.send(headers_message("POST", "/v1/chat/completions", TEST_KEYS["globex"]))
-    await first.send(body_message(chat_body()))
+    forward = await first.send(body_message(chat_body()))
     second = EnvoyPeer(stub)
     await second.send(headers_message("POST", "/v1/chat/completions", TEST_KEYS["initech"]))
     held = await second.send(body_message(chat_body()))
@@ -199,36 +226,38 @@ async def test_disconnect_while_held_leaves_nothing_queued(service) -> None:  # 
             break
         await asyncio.sleep(0.005)
     assert gateway.scheduler.snapshot()["tenants"]["initech"]["queued"] == 0
-    await first.close()
-    await first.call.code()
+    assert await asyncio.wait_for(first.call.code(), 5) == grpc.StatusCode.OK
+    await response_ends(stub, forward)
     snapshot = gateway.scheduler.snapshot()
     assert snapshot["pools"]["short"]["inflight"] == 0
 
 
-async def test_the_service_ends_the_admission_stream_after_the_response_headers(service) -> None:  # type: ignore[no-untyped-def]
-    """So a crash of the service cannot cut the response that follows (Envoy takes an OK end
-    as "processing complete"); the capacity stays taken until the accounting stream, which
-    may attach a moment later, settles the request."""
+async def test_the_service_ends_the_admission_stream_right_after_the_forward(service) -> None:  # type: ignore[no-untyped-def]
+    """So a crash of the service cannot cut the response that follows, streamed or not (Envoy
+    takes an OK end as "processing complete"); the capacity stays taken until the accounting
+    stream, which may attach a moment later, settles the request. The client's response
+    headers ride on the forward as dynamic metadata (Envoy adds them to the response)."""
     gateway, stub = service
     peer = EnvoyPeer(stub)
     await peer.send(headers_message("POST", "/v1/chat/completions", TEST_KEYS["globex"]))
     forward = await peer.send(body_message(chat_body()))
-    request_id = set_headers(forward, "request_body")["x-gateway-request-id"]
-    response = ProcessingRequest(response_headers=http_headers([(":status", "200")]))
-    reply = await peer.send(response)
-    assert reply.WhichOneof("response") == "response_headers"
+    assert forward.WhichOneof("response") == "request_body"
     assert await asyncio.wait_for(peer.call.code(), 5) == grpc.StatusCode.OK
+    metadata = forward.dynamic_metadata.fields[ADMISSION_METADATA].struct_value.fields
+    assert metadata["x-ratelimit-limit-requests"].string_value == "600"
+    assert float(metadata["x-gateway-queue-ms"].string_value) >= 0.0
     assert gateway.scheduler.snapshot()["pools"]["short"]["inflight"] == 1
-    upstream = [("x-gateway-request-id", request_id)]
-    accounting = stub.Process(
-        iter([
-            headers_message("POST", "/v1/chat/completions", TEST_KEYS["globex"], upstream),
-            ProcessingRequest(response_headers=http_headers([(":status", "200")])),
-        ]),
-        metadata=((ROLE_METADATA, ACCOUNTING_ROLE),),
-    )  # fmt: skip
-    assert await asyncio.wait_for(accounting.code(), 5) == grpc.StatusCode.OK
+    await response_ends(stub, forward)
     assert gateway.scheduler.snapshot()["pools"]["short"]["inflight"] == 0
+    await peer.close()
+
+
+async def test_a_bodyless_request_s_stream_ends_after_its_headers(service) -> None:  # type: ignore[no-untyped-def]
+    _, stub = service
+    peer = EnvoyPeer(stub)
+    reply = await peer.send(headers_message("GET", "/v1/models", TEST_KEYS["globex"], eos=True))
+    assert reply.WhichOneof("response") == "request_headers"
+    assert await asyncio.wait_for(peer.call.code(), 5) == grpc.StatusCode.OK
     await peer.close()
 
 
@@ -238,7 +267,6 @@ async def test_capacity_is_freed_when_no_accounting_stream_attaches(service, mon
     peer = EnvoyPeer(stub)
     await peer.send(headers_message("POST", "/v1/chat/completions", TEST_KEYS["globex"]))
     await peer.send(body_message(chat_body()))
-    await peer.send(ProcessingRequest(response_headers=http_headers([(":status", "200")])))
     assert await asyncio.wait_for(peer.call.code(), 5) == grpc.StatusCode.OK
     for _ in range(200):  # the grace is 50 ms here
         if gateway.scheduler.snapshot()["pools"]["short"]["inflight"] == 0:

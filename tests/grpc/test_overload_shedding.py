@@ -15,6 +15,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ext_proc_gr
 from envoy.service.ext_proc.v3.external_processor_pb2 import ProcessingResponse
 
 from extproc.policy import hash_key, policy_from_text
+from extproc.service import request as request_record
 from extproc.service.composition import compose
 from extproc.service.gateway import Gateway
 from tests.conftest import TEST_KEYS
@@ -109,8 +110,14 @@ def shed_count(gateway: Gateway) -> float:
     return value or 0.0
 
 
-async def test_lagging_loop_sheds_the_heavy_tenant_and_admits_the_light_one(service) -> None:  # type: ignore[no-untyped-def]
+async def test_lagging_loop_sheds_the_heavy_tenant_and_admits_the_light_one(
+    service, monkeypatch
+) -> None:  # type: ignore[no-untyped-def]
     gateway, stub = service
+    # The admitted requests stay in flight: the admission stream ends at the forward, and
+    # Envoy would attach each one's accounting stream then; this test plays the admission
+    # streams only, so the attach grace holds their capacity instead, for the whole test.
+    monkeypatch.setattr(request_record, "ATTACH_GRACE_S", 300.0)
     peers: list[EnvoyPeer] = []
     try:
         # globex 1 and initech 3 in flight fill the soft limit (4 of 6); initech queues 2 more.

@@ -101,9 +101,9 @@ async def call_and_account(
     body: dict[str, object],
     response: dict[str, object],
 ) -> dict[str, str]:
-    """One pooling call through both streams, as Envoy runs them: the admission stream up to
-    the response headers, then the accounting stream with the JSON response body in two
-    chunks. Returns the headers the admission stream set upstream."""
+    """One pooling call through both streams, as Envoy runs them: the admission stream (the
+    service ends it at its forward), then the accounting stream with the JSON response body
+    in two chunks. Returns the headers the admission stream set upstream."""
     peer = EnvoyPeer(stub)
     await peer.send(headers_message("POST", path, TEST_KEYS["globex"], [("x-llm-pool", "short")]))
     forward = await peer.send(body_message(orjson.dumps(body)))
@@ -112,7 +112,6 @@ async def call_and_account(
     upstream = set_headers(forward, "request_body")
     assert forward.request_body.response.clear_route_cache
     json_headers = http_headers([(":status", "200"), ("content-type", "application/json")])
-    await peer.send(ProcessingRequest(response_headers=json_headers))
     assert await asyncio.wait_for(peer.call.code(), 5) == grpc.StatusCode.OK
     raw = orjson.dumps(response)
     request_id = [("x-gateway-request-id", upstream["x-gateway-request-id"])]

@@ -34,6 +34,7 @@ from tests.grpc.test_extproc_stream import (
     body_message,
     chat_body,
     headers_message,
+    response_ends,
     set_headers,
 )
 from tests.serve_support import get_json, http, serve_process, wait_for
@@ -104,6 +105,7 @@ async def tier_of_next_request(stub: ext_proc_grpc.ExternalProcessorStub, key: s
     assert reply.WhichOneof("response") == "request_body", reply
     await peer.close()
     await peer.call.code()
+    await response_ends(stub, reply)
     return set_headers(reply, "request_body")["x-tier"]
 
 

@@ -16,7 +16,7 @@ from extproc.service.composition import compose
 from extproc.service.gateway import Gateway
 from gateway_lab.sim.replay import ReplayArrival, replay_admissions
 from tests.conftest import TEST_KEYS, policy_yaml
-from tests.grpc.test_extproc_stream import EnvoyPeer, body_message, headers_message
+from tests.grpc.test_extproc_stream import EnvoyPeer, body_message, headers_message, response_ends
 from tests.grpc_support import served_stub
 
 LIMITS = "{requests_per_minute: 100000, tokens_per_minute: 100000000, max_queued: 100}"
@@ -78,6 +78,13 @@ async def live() -> AsyncIterator[tuple[Gateway, ext_proc_grpc.ExternalProcessor
 
 async def test_live_service_admits_in_the_simulators_order(live) -> None:  # type: ignore[no-untyped-def]
     gateway, stub = live
+    # Before the live run: each response settles below with its estimates as its usage
+    # (what the simulator releases with), and the estimator learns from settlements.
+    expected = sim_order(gateway.policy, gateway)
+    estimates = [
+        gateway.estimator.estimate_prompt(parse_inference_request(CHAT_PATH, body).prompt)
+        for body in (body_of(5, 5), *(body_of(words, tokens) for _, words, tokens, _ in ARRIVALS))
+    ]
     blocker = EnvoyPeer(stub)
     await blocker.send(headers_message("POST", CHAT_PATH, TEST_KEYS["acme"]))
     admitted = await blocker.send(body_message(body_of(5, 5)))
@@ -94,14 +101,17 @@ async def test_live_service_admits_in_the_simulators_order(live) -> None:  # typ
 
     live_order: list[int] = []
     reads = {asyncio.ensure_future(peer.read()): index for index, peer in enumerate(peers)}
-    await blocker.close()  # the blocker's response ends: capacity frees, the queue drains
+    # The blocker's response ends: the queue drains.
+    await response_ends(stub, admitted, (estimates[0], 5))
     while reads:
         done, _ = await asyncio.wait(reads, return_when=asyncio.FIRST_COMPLETED)
         assert len(done) == 1, "capacity is 1: one admission at a time"
         [future] = done
         index = reads.pop(future)
-        assert future.result().WhichOneof("response") == "request_body"
+        forward = future.result()
+        assert forward.WhichOneof("response") == "request_body"
         live_order.append(index)
-        await peers[index].close()  # this response ends too, letting the next one in
-    assert live_order == sim_order(gateway.policy, gateway)
+        # This response ends too, letting the next one in.
+        await response_ends(stub, forward, (estimates[index + 1], ARRIVALS[index][2]))
+    assert live_order == expected
     assert sorted(live_order) == list(range(len(ARRIVALS)))

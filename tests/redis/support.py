@@ -336,17 +336,13 @@ async def attach_accounting(endpoint: Endpoint, outcome: Outcome) -> None:
 
 
 async def finish(outcome: Outcome, prompt_tokens: int, completion_tokens: int) -> None:
-    """The response: headers to both filters (the admission stream then closes), the body
-    with usage to the accounting stream, which then ends."""
+    """The response: the admission stream has ended (the service ends it right after the
+    forward); headers and the body with usage go to the accounting stream, which then ends."""
     outcome.finished_at = time.monotonic()
     response_headers = http_headers([(":status", "200"), ("content-type", "application/json")])
     call = outcome.call
     if call is not None:
-        await call.write(ProcessingRequest(response_headers=response_headers))
-        await asyncio.wait_for(call.read(), 10)
-        await call.done_writing()
-        with contextlib.suppress(grpc.aio.AioRpcError, asyncio.CancelledError):
-            await asyncio.wait_for(call.read(), 10)
+        assert await asyncio.wait_for(call.code(), 10) == grpc.StatusCode.OK
     accounting = outcome.accounting
     if accounting is not None:
         usage = {"usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens}}

@@ -148,6 +148,10 @@ async def test_leases_survive_a_redis_restart_that_lost_the_data(
         try:
             held = [await admit(first, TEST_KEYS["globex"], "globex", chat_body()) for _ in "ab"]
             assert all(o.admitted for o in held)
+            # Running: Envoy opens each one's accounting stream right after the forward (the
+            # admission stream has ended then).
+            for outcome in held:
+                await attach_accounting(first, outcome)
             await await_for(lambda: holder.tenants()["inflight"] == 2, 5, "two leases")
             await await_for(lambda: store.exists("extproc:epoch") == 1, 5, "an epoch")
             redis_server.stop()
@@ -177,7 +181,6 @@ async def test_leases_survive_a_redis_restart_that_lost_the_data(
             done, _ = await asyncio.wait({waiting}, timeout=0.8)
             assert not done, "the pool is still full: the request must wait"
             for outcome in held:
-                await attach_accounting(first, outcome)
                 await finish(outcome, 3, 16)
             assert (await asyncio.wait_for(waiting, 20)).admitted
         finally:

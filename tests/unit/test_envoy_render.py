@@ -14,10 +14,12 @@ from extproc.envoy_config import (
     ACCOUNTING_FILTER,
     ADMISSION_FILTER,
     RenderOptions,
+    admission_response_headers,
     render_bootstrap,
 )
+from extproc.envoy_routes import DRAIN_FILTER
 from extproc.policy import load_policy, policy_from_text
-from extproc.types import OWNED_HEADERS
+from extproc.types import OWNED_HEADERS, UPSTREAM_HEADER
 from gateway_lab.processes import envoy_binary
 from tests.conftest import policy_yaml
 
@@ -50,12 +52,23 @@ def test_render_holds_requests_long_enough() -> None:
     manager = bootstrap["staticResources"]["listeners"][0]["filterChains"][0]["filters"][0][
         "typedConfig"
     ]
-    strip, admission, accounting, router = manager["httpFilters"]
+    strip, admission, accounting, drain, router = manager["httpFilters"]
     removed = [m["remove"] for m in strip["typedConfig"]["mutations"]["requestMutations"]]
     assert set(removed) == set(OWNED_HEADERS)  # before any filter or log reads them
+    # The response: the upstream header goes after the accounting filter read it.
+    response = strip["typedConfig"]["mutations"]["responseMutations"]
+    assert response[0] == {"remove": UPSTREAM_HEADER}
+    added = {m["append"]["header"]["key"] for m in response[1:]}
+    assert added == set(admission_response_headers())
     assert admission["typedConfig"]["maxMessageTimeout"] == "150s"
+    assert admission["typedConfig"]["processingMode"]["responseHeaderMode"] == "SKIP"
     assert accounting["typedConfig"]["observabilityMode"] is True
+    assert drain["name"] == DRAIN_FILTER and drain["disabled"] is True
     assert router["name"] == "envoy.filters.http.router"
+    (drain_route, *_) = manager["routeConfig"]["virtualHosts"][0]["routes"]
+    (declared,) = drain_route["match"]["headers"]
+    assert declared["rangeMatch"]["start"] == str(policy.source.gateway.max_body_bytes + 1)
+    assert drain_route["directResponse"]["status"] == 413
     assert manager["streamIdleTimeout"] == "180s"
     extproc = bootstrap["staticResources"]["clusters"][0]
     assert extproc["circuitBreakers"]["thresholds"][0]["maxRequests"] >= 100_000

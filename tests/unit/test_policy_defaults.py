@@ -224,8 +224,7 @@ def test_cli_check_prints_the_capacity_and_warns_on_stderr(tmp_path: Path) -> No
         "  pool p: max_inflight 24 (hard limit), headroom 0 (set), soft limit 24 static "
         "(adaptive: {enabled: false})",
         "  pool p: engine priority on (body `priority` = tier rank x 2, + 1 when backlogged; "
-        "engines need --scheduling-policy priority), prefill budget 100000 prompt tokens for "
-        "backlogged tenants (default: max_total_tokens)",
+        "engines need --scheduling-policy priority), prefill pacing off (default)",
         "  chat (/v1/chat/completions): pool p",
         "  completions (/v1/completions): pool p",
         "  embeddings (/v1/embeddings): no pool: answered 404",

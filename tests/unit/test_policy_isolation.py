@@ -22,10 +22,10 @@ pools:
 """
 
 
-def test_defaults_priority_on_and_a_budget_of_one_largest_request() -> None:
+def test_defaults_priority_on_and_pacing_off() -> None:
     pool = policy_from_text(_text()).pools["p"]
     assert pool.engine_priority is True
-    assert pool.prefill_budget_tokens is None and pool.effective_prefill_budget == 8192
+    assert pool.prefill_budget_tokens is None and pool.effective_prefill_budget == 0
 
 
 @pytest.mark.parametrize(
@@ -58,13 +58,16 @@ def test_isolation_keys_are_strict_with_file_line(keys: str, field: str) -> None
 def test_policy_check_explains_the_isolation_settings() -> None:
     assert describe_isolation(policy_from_text(_text()).source) == [
         "pool p: engine priority on (body `priority` = tier rank x 2, + 1 when backlogged; "
-        "engines need --scheduling-policy priority), prefill budget 8192 prompt tokens for "
-        "backlogged tenants (default: max_total_tokens)"
+        "engines need --scheduling-policy priority), prefill pacing off (default)"
     ]
+    paced = "prefill_budget_tokens: 8192"
+    assert describe_isolation(policy_from_text(_text(paced)).source)[0].endswith(
+        "prefill budget 8192 prompt tokens for backlogged tenants"
+    )
     options = "tier_options: {standard: {latency_delta: 150ms}}\n"
     keys = "engine_priority: false, prefill_budget_tokens: 0"
     assert describe_isolation(policy_from_text(_text(keys, options)).source) == [
-        "pool p: engine priority off, prefill pacing off",
+        "pool p: engine priority off, prefill pacing off (set)",
         "tier standard: latency_delta 150 ms: a light tenant's lag behind alone steers the "
         "backlogged tenants' share of its pools",
     ]

@@ -94,16 +94,16 @@ def test_non_streamed_requests_are_not_counted_as_prefilling() -> None:
     assert sched.snapshot()["pools"]["p"]["prefilling_tokens"] == 0
 
 
-def test_pacing_off_and_the_default_budget() -> None:
-    for keys in ("prefill_budget_tokens: 0", "prefill_budget_tokens: false"):
+def test_pacing_off_by_default_and_a_set_budget() -> None:
+    for keys in ("", "prefill_budget_tokens: 0", "prefill_budget_tokens: false"):
         sched = Scheduler(_policy(keys), ManualClock(0.0))
         _submit(sched, *(_ticket(f"f{i}", "flood", prompt=50_000) for i in range(8)))
         assert len(sched.dispatch()) == 8
         assert sched.snapshot()["pools"]["p"]["prefill_budget_tokens"] is None
-    default = Scheduler(_policy(), ManualClock(0.0))
-    assert default.snapshot()["pools"]["p"]["prefill_budget_tokens"] == 100_000  # max_total
-    _submit(default, *(_ticket(f"f{i}", "flood", prompt=50_000) for i in range(8)))
-    assert len(default.dispatch()) == 2  # 0 and 50,000 are below 100,000
+    paced = Scheduler(_policy("prefill_budget_tokens: 100000"), ManualClock(0.0))
+    assert paced.snapshot()["pools"]["p"]["prefill_budget_tokens"] == 100_000
+    _submit(paced, *(_ticket(f"f{i}", "flood", prompt=50_000) for i in range(8)))
+    assert len(paced.dispatch()) == 2  # 0 and 50,000 are below 100,000
 
 
 def test_requeue_gives_back_the_prefill_it_took() -> None:
