@@ -175,18 +175,11 @@ class Dispatcher:
     def is_light(self, pool: PoolState, name: str) -> bool:
         """Whether the tenant's whole demand in the pool is within its weighted share of the
         pool's admitted work (see `light_tenants`)."""
-        policy = self._live.policy
-        spec = policy.tenant(name)
-        if spec is None:
+        found = self._demand_and_fraction(pool, name)
+        if found is None:
             return False
-        total = pool.weight_total(policy, self._weight_of)
-        if total <= 0:
-            return False
-        state = self._live.tenants.get(name)
-        queue = None if state is None else state.queues.get(pool.name)
-        queued = 0 if queue is None else queue.tokens
-        demand = pool.users.get(name, _NO_USAGE).tokens + queued
-        return demand <= pool.capacity.inflight_tokens * spec.weight / total
+        demand, fraction = found
+        return demand <= pool.capacity.inflight_tokens * fraction
 
     def within_share(self, pool: PoolState, name: str) -> bool:
         """Whether the tenant's whole demand in the pool is below its weighted share of the
@@ -194,20 +187,28 @@ class Dispatcher:
         engine priority, prefill pacing and the δ controller. Unlike `is_light` it does not
         shrink when the pool is throttled, so throttling the backlogged tenants never turns a
         well-behaved tenant into one of them."""
+        found = self._demand_and_fraction(pool, name)
+        if found is None:
+            return False
+        demand, fraction = found
+        work = pool.capacity.inflight_tokens + pool.queued_tokens
+        # Strictly below: a tenant alone in the pool (all the demand is its own) is not light.
+        return demand < work * fraction
+
+    def _demand_and_fraction(self, pool: PoolState, name: str) -> tuple[int, float] | None:
+        """The tenant's admitted + queued tokens in the pool and its weight's fraction of the
+        pool's active tenants' weights (None: not a tenant, or no active weight)."""
         policy = self._live.policy
         spec = policy.tenant(name)
         if spec is None:
-            return False
+            return None
         total = pool.weight_total(policy, self._weight_of)
         if total <= 0:
-            return False
+            return None
         state = self._live.tenants.get(name)
         queue = None if state is None else state.queues.get(pool.name)
         queued = 0 if queue is None else queue.tokens
-        demand = pool.users.get(name, _NO_USAGE).tokens + queued
-        work = pool.capacity.inflight_tokens + pool.queued_tokens
-        # Strictly below: a tenant alone in the pool (all the demand is its own) is not light.
-        return demand < work * spec.weight / total
+        return pool.users.get(name, _NO_USAGE).tokens + queued, spec.weight / total
 
     def _weight_of(self, name: str) -> float | None:
         spec = self._live.policy.tenant(name)
