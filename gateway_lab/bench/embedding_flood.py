@@ -15,7 +15,14 @@ priority (`--scheduling-policy priority`, as the pools the project ships). Arms:
 * gateway-priority: the same, and the pool's `pooling_priority` (9) in each batch instead, so
   the engine serves every chat request before a batch's inputs still waiting;
 * gateway: priority as well, and a static soft limit (`adaptive: {enabled: false}`,
-  `max_inflight` 64, headroom 8) instead of the one that follows the engine.
+  `max_inflight` 64, headroom 8) instead of the one that follows the engine;
+* step-N: `gateway` on an engine started with `--max-num-batched-tokens N` (256, 384, 512)
+  instead of the profile's 2,048: a step full of embedding inputs, which a chat prompt's
+  prefill shares, takes a fraction of the time, for less embedding throughput (a setting of
+  the shared pool's engines);
+* weighted: `step-384` with both tenants backlogged (the chat tenant a closed loop of
+  `chat_backlog` clients, more than the pool's slots, the batch tenant `weighted_batches`
+  calls in flight), weights chat 3 : batch 1: the token service should split 3 : 1.
 
 Once admitted, a batch's 2,000 inputs sit in the engine's queue: admission alone bounds how
 many batches are there, not how long a chat request waits behind one. And the adaptive soft
@@ -33,10 +40,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import math
 import random
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -46,18 +54,17 @@ import orjson
 
 from extproc.policy import hash_key
 from extproc.scheduler.adaptive import AdaptiveSettings
-from gateway_lab.bench import scenario
+from gateway_lab.bench import embedding_flood_report, scenario
 from gateway_lab.bench.capacity import CapacityConfig
-from gateway_lab.bench.figures import pyplot, save_figure
-from gateway_lab.bench.loadgen import Load, open_loop
+from gateway_lab.bench.loadgen import Load, closed_loop, open_loop
 from gateway_lab.bench.monitor import Monitor, log
 from gateway_lab.bench.records import RECORD_COLUMNS, Meter, Spec
-from gateway_lab.bench.stack import PROFILE, EngineSet, Gateway
+from gateway_lab.bench.stack import PROFILE, EngineSet, Gateway, engine_set
 from gateway_lab.bench.stats import fmt, status_counts, ttft_stats, within
 
 NAME = "embedding-flood"
 DEFAULT_OUT = Path("results/embedding-flood")
-CHAT, BATCH = "chat", "batch"
+CHAT, BATCH = embedding_flood_report.CHAT, embedding_flood_report.BATCH
 KEYS = {name: f"bench-{name}-key" for name in (CHAT, BATCH)}
 _WORDS = ("art", "bay", "cab", "dew", "elk", "fig", "gem", "hut", "ink", "jar")
 
@@ -74,6 +81,17 @@ class Workload:
     chat_weight: float = 1.0
     batch_weight: float = 1.0
     headroom: int = 8
+    step_tokens: tuple[int, ...] = (256, 384, 512)
+    """`--max-num-batched-tokens` of the engines of the step arms (the profile's: 2,048)."""
+    weighted_step_tokens: int = 384
+    inflight_tokens: int = 98_304
+    """The static arms' `max_inflight_tokens`: three batches' input tokens. The door counts
+    a call as one request, and a batch is 2,000 engine sequences: only a token bound lets
+    the door's fair share decide how much of each tenant's work is in the engine."""
+    chat_backlog: int = 96
+    weighted_batches: int = 6
+    weighted: tuple[float, float] = (3.0, 1.0)
+    """The weighted arm's weights, chat and batch."""
 
 
 @dataclass(frozen=True)
@@ -82,10 +100,13 @@ class Timing:
     warmup_s: float = 10.0
     measure_s: float = 30.0
     grace_s: float = 15.0
+    weighted_measure_s: float = 60.0
+    """The weighted arm's window: a batch's service counts when it is answered, so the
+    split needs many batches to settle."""
 
     @classmethod
     def quick(cls) -> Timing:
-        return cls(1.0, 2.0, 8.0, 4.0)
+        return cls(1.0, 2.0, 8.0, 4.0, 8.0)
 
 
 @dataclass(frozen=True)
@@ -97,6 +118,14 @@ class Arm:
     pooling_priority: int | None = None
     static: bool = False
     """A static soft limit (STATIC_INFLIGHT - headroom) instead of the adaptive one."""
+    step_tokens: int | None = None
+    """On an engine of its own, started with `--max-num-batched-tokens step_tokens`."""
+    backlogged: bool = False
+    """Both tenants backlogged (closed loops) and weighted `Workload.weighted`."""
+
+    def weights(self, work: Workload) -> dict[str, float]:
+        chat, batch = work.weighted if self.backlogged else (work.chat_weight, work.batch_weight)
+        return {CHAT: chat, BATCH: batch}
 
 
 STATIC_INFLIGHT = 64
@@ -106,10 +135,13 @@ ENGINE_ARGS = ("--scheduling-policy", "priority")
 
 
 def policy_text(
-    endpoint: str, work: Workload, pooling_priority: int | None = None, static: bool = False
+    endpoint: str,
+    weights: dict[str, float],
+    pooling_priority: int | None = None,
+    static: bool = False,
+    inflight_tokens: int = 98_304,
 ) -> str:
     limits = "{max_queued: 100000, max_queue_wait: 600s}"
-    weights = {CHAT: work.chat_weight, BATCH: work.batch_weight}
     lines = ["version: 1", "tiers: [standard]", "tenants:"]
     for name, weight in weights.items():
         lines.append(
@@ -119,7 +151,7 @@ def policy_text(
     pool = [
         "max_total_tokens: 131072",
         f"max_inflight: {STATIC_INFLIGHT if static else 512}",
-        "max_inflight_tokens: 1000000000",
+        f"max_inflight_tokens: {inflight_tokens if static else 1_000_000_000}",
         f'endpoints: ["{endpoint}"]',
         "serves: [chat, completions, embeddings, rerank]",
     ]
@@ -212,22 +244,34 @@ async def drive_arm(
     arm: Arm, gateway: Gateway, engines: EngineSet, work: Workload, timing: Timing, seed: int
 ) -> dict[str, Any]:
     meter = Meter(bin_s=0.5)
-    end = arm.warmup_s + timing.measure_s
+    end = arm.warmup_s + (timing.weighted_measure_s if arm.backlogged else timing.measure_s)
     batches: list[BatchRecord] = []
     async with Load(gateway.url, meter) as load:
 
         async def flood() -> None:
             url = gateway.base_url + "/v1/embeddings"
-            batches.extend(await batch_loop(url, load, meter, work, end + timing.grace_s, seed))
+            flood_work = replace(work, batch_concurrency=work.weighted_batches)
+            batches.extend(
+                await batch_loop(
+                    url, load, meter, flood_work if arm.backlogged else work,
+                    end + (0.0 if arm.backlogged else timing.grace_s), seed,
+                )
+            )  # fmt: skip
 
-        chat = open_loop(
-            load, chat_maker(work, seed), work.chat_rate, end, seed=seed + 1,
-            grace_s=timing.grace_s,
-        )  # fmt: skip
+        if arm.backlogged:
+            chat = closed_loop(
+                load, chat_maker(work, seed), work.chat_backlog, end, seed=seed + 1,
+                ramp_s=1.0,
+            )  # fmt: skip
+        else:
+            chat = open_loop(
+                load, chat_maker(work, seed), work.chat_rate, end, seed=seed + 1,
+                grace_s=timing.grace_s,
+            )  # fmt: skip
         jobs = [chat, flood()] if arm.flood else [chat]
         monitor = Monitor(load, engines.all(), gateway.admin_url)
         await scenario.drive(NAME, arm.name, load, jobs, end, monitor, end + timing.grace_s)
-    return summarize_arm(arm, load, meter, monitor, batches, work, end)
+    return summarize_arm(arm, load, meter, monitor, batches, arm.weights(work), end)
 
 
 def summarize_arm(
@@ -236,7 +280,7 @@ def summarize_arm(
     meter: Meter,
     monitor: Monitor,
     batches: list[BatchRecord],
-    work: Workload,
+    weights: dict[str, float],
     end: float,
 ) -> dict[str, Any]:
     start = arm.warmup_s
@@ -248,7 +292,7 @@ def summarize_arm(
         "status": status_counts(records),
         "service_per_s": meter.rate(CHAT, start, end, service=True),
         "offered_service_per_s": offered / window,
-        "weight": work.chat_weight,
+        "weight": weights[CHAT],
     }
     tenants: dict[str, Any] = {CHAT: chat}
     if arm.flood:
@@ -263,7 +307,7 @@ def summarize_arm(
             "batch_latency_p50_s": _median([b.end - b.start for b in done]),
             "queue_wait_max_ms": max(waits) if waits else None,
             "service_per_s": meter.rate(BATCH, start, end, service=True),
-            "weight": work.batch_weight,
+            "weight": weights[BATCH],
         }
     return {
         "arm": arm.name,
@@ -285,96 +329,38 @@ def _median(values: list[float]) -> float:
 
 
 def run_arm(
-    arm: Arm, engines: EngineSet, workdir: Path, work: Workload, timing: Timing, seed: int
+    arm: Arm,
+    engines: EngineSet,
+    workdir: Path,
+    work: Workload,
+    timing: Timing,
+    seed: int,
+    profile: str = PROFILE,
 ) -> dict[str, Any]:
-    endpoint = engines.endpoints[scenario.POOL][0]
-    text = policy_text(endpoint, work, arm.pooling_priority, arm.static)
-    with scenario.arm_gateway(
-        NAME, arm.name, workdir, engines, text, arm.path, capacity(work, arm.static)
-    ) as gateway:
+    args: tuple[str, ...] = ENGINE_ARGS
+    with contextlib.ExitStack() as stack:
+        if arm.step_tokens is not None:
+            args = (*ENGINE_ARGS, "--max-num-batched-tokens", str(arm.step_tokens))
+            engines = stack.enter_context(
+                engine_set(workdir / f"engines-{arm.name}", {scenario.POOL: 1}, profile, args)
+            )
+        endpoint = engines.endpoints[scenario.POOL][0]
+        text = policy_text(
+            endpoint, arm.weights(work), arm.pooling_priority, arm.static, work.inflight_tokens
+        )
+        gateway = stack.enter_context(
+            scenario.arm_gateway(
+                NAME, arm.name, workdir, engines, text, arm.path, capacity(work, arm.static)
+            )
+        )
         result: dict[str, Any] = scenario.run_async(
             drive_arm(arm, gateway, engines, work, timing, seed)
         )
+    result["engine_args"] = list(args)
     ttft = result["tenants"][CHAT]["ttft"]
     log(NAME, f"arm {arm.name}: chat p50 {fmt(ttft.get('p50_ms', math.nan))} ms "
               f"p99 {fmt(ttft.get('p99_ms', math.nan))} ms")  # fmt: skip
     return result
-
-
-def compare(results: dict[str, dict[str, Any]]) -> dict[str, Any]:
-    solo = results.get("chat-solo", {}).get("tenants", {}).get(CHAT, {}).get("ttft", {})
-    out: dict[str, Any] = {}
-    for name, result in results.items():
-        tenants = result["tenants"]
-        chat, batch = tenants[CHAT], tenants.get(BATCH)
-        row: dict[str, Any] = {
-            "chat_p50_ms": chat["ttft"].get("p50_ms", math.nan),
-            "chat_p99_ms": chat["ttft"].get("p99_ms", math.nan),
-            "chat_p50_ratio": chat["ttft"].get("p50_ms", math.nan) / solo.get("p50_ms", math.nan),
-            "chat_p99_ratio": chat["ttft"].get("p99_ms", math.nan) / solo.get("p99_ms", math.nan),
-            "chat_served_over_offered": chat["service_per_s"]
-            / max(1e-9, chat["offered_service_per_s"]),
-        }
-        if batch is not None:
-            chat_per_weight = chat["service_per_s"] / chat["weight"]
-            batch_per_weight = batch["service_per_s"] / batch["weight"]
-            total = chat["service_per_s"] + batch["service_per_s"]
-            row.update(
-                {
-                    "chat_share": chat["service_per_s"] / max(1e-9, total),
-                    "batch_share": batch["service_per_s"] / max(1e-9, total),
-                    "weight_share_chat": chat["weight"] / (chat["weight"] + batch["weight"]),
-                    "per_weight_ratio_chat_over_batch": chat_per_weight
-                    / max(1e-9, batch_per_weight),
-                    "batches": batch["batches"],
-                }
-            )
-        out[name] = row
-    return out
-
-
-def print_table(summary: dict[str, Any]) -> None:
-    print(
-        f"\n{'arm':17} {'chat p50':>9} {'p99':>9} {'p50 x':>6} {'p99 x':>6} "
-        f"{'chat served/offered':>19} {'chat share':>10} {'batch share':>11} {'batches':>7}"
-    )
-    for name, row in summary.items():
-        print(
-            f"{name:17} {fmt(row['chat_p50_ms']):>7}ms {fmt(row['chat_p99_ms']):>7}ms "
-            f"{fmt(row['chat_p50_ratio'], 2):>6} {fmt(row['chat_p99_ratio'], 2):>6} "
-            f"{fmt(row['chat_served_over_offered'], 2):>19} "
-            f"{fmt(row.get('chat_share', math.nan), 3):>10} "
-            f"{fmt(row.get('batch_share', math.nan), 3):>11} {row.get('batches', 0):>7}"
-        )
-    print(
-        "\nshares: weighted token service (input + 2 x output) per second in the window; "
-        "served/offered: the chat tenant's service against what it sent"
-    )
-
-
-def plot(results: dict[str, dict[str, Any]], summary: dict[str, Any], path: Path) -> None:
-    plt = pyplot()
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4.5))
-    ax = axes[0]
-    names = list(summary)
-    xs = range(len(names))
-    ax.bar([x - 0.2 for x in xs], [summary[n]["chat_p50_ms"] for n in names], 0.4,
-           label="P50", color="#1f77b4", alpha=0.55)  # fmt: skip
-    ax.bar([x + 0.2 for x in xs], [summary[n]["chat_p99_ms"] for n in names], 0.4,
-           label="P99", color="#1f77b4")  # fmt: skip
-    ax.set_yscale("log")
-    ax.set_xticks(list(xs), names, rotation=20, fontsize=8)
-    ax.set_title("chat tenant: time to first token (ms)")
-    ax.legend(fontsize=8)
-    ax = axes[1]
-    flooded = [n for n in names if BATCH in results[n]["tenants"]]
-    for i, tenant in enumerate((CHAT, BATCH)):
-        values = [results[n]["tenants"][tenant]["service_per_s"] for n in flooded]
-        ax.bar([x + (i - 0.5) * 0.4 for x in range(len(flooded))], values, 0.4, label=tenant)
-    ax.set_xticks(range(len(flooded)), flooded, rotation=20, fontsize=8)
-    ax.set_title("weighted token service / s")
-    ax.legend(fontsize=8)
-    save_figure(fig, path)
 
 
 def run(
@@ -385,6 +371,7 @@ def run(
     *,
     seed: int = 29,
     profile: str = PROFILE,
+    selected: Sequence[str] = (),
 ) -> dict[str, Any]:
     arms = [
         Arm("chat-solo", "service", False, timing.warmup_solo_s),
@@ -401,18 +388,48 @@ def run(
             pooling_priority=POOLING_PRIORITY,
             static=True,
         ),
+        *(
+            Arm(
+                f"step-{tokens}",
+                "service",
+                True,
+                timing.warmup_s,
+                pooling_priority=POOLING_PRIORITY,
+                static=True,
+                step_tokens=tokens,
+            )
+            for tokens in work.step_tokens
+        ),
+        Arm(
+            "weighted",
+            "service",
+            True,
+            timing.warmup_s,
+            static=True,
+            step_tokens=work.weighted_step_tokens,
+            backlogged=True,
+        ),
     ]
+    if selected:
+        unknown = set(selected) - {arm.name for arm in arms}
+        if unknown:
+            raise SystemExit(f"{NAME}: unknown arms {sorted(unknown)}")
+        arms = [arm for arm in arms if arm.name in selected]
 
     def conclude(results: scenario.Results) -> scenario.Conclusion:
-        summary = compare(results)
+        summary = embedding_flood_report.compare(results)
         return scenario.Conclusion(
-            summary, lambda path: plot(results, summary, path), lambda: print_table(summary)
+            summary,
+            lambda path: embedding_flood_report.plot(results, summary, path),
+            lambda: embedding_flood_report.print_table(summary),
         )
 
     return scenario.run_scenario(
         NAME, out, workdir, profile=profile, work=work, timing=timing,
-        settings={"weights": {CHAT: work.chat_weight, BATCH: work.batch_weight}}, arms=arms,
-        run_arm=lambda arm, engines, _results: run_arm(arm, engines, workdir, work, timing, seed),
+        settings={"weights": {arm.name: arm.weights(work) for arm in arms}}, arms=arms,
+        run_arm=lambda arm, engines, _results: run_arm(
+            arm, engines, workdir, work, timing, seed, profile
+        ),
         conclude=conclude, figure="embedding-flood.png", engine_args=ENGINE_ARGS,
     )  # fmt: skip
 
@@ -424,6 +441,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--input-tokens", type=int, help="tokens per embedding input (default 16)")
     parser.add_argument("--chat-rate", type=float, help="chat requests/s (default 3)")
     parser.add_argument("--seed", type=int, default=29)
+    parser.add_argument(
+        "--arms", help="comma-separated arms to run (default all; ratios need chat-solo)"
+    )
 
 
 def main(args: argparse.Namespace) -> int:
@@ -439,7 +459,8 @@ def main(args: argparse.Namespace) -> int:
             work = replace(work, **{field: value})
     timing = scenario.chosen_timing(args, Timing(), Timing.quick())
     began = time.perf_counter()
-    run(args.out, scenario.workdir_of(args), work, timing, seed=args.seed)
+    selected = [a for a in (args.arms or "").split(",") if a]
+    run(args.out, scenario.workdir_of(args), work, timing, seed=args.seed, selected=selected)
     log(NAME, f"done in {time.perf_counter() - began:.0f} s")
     return 0
 
