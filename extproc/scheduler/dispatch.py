@@ -39,15 +39,12 @@ class Dispatcher:
                     entry = self.choose(pool)
                     if entry is None:
                         break
-                    light = self.within_share(pool, entry.ticket.tenant)
-                    admitted.append(admit(pool, entry, light))
+                    admitted.append(admit(pool, entry, self.light_now(pool, entry)))
                 while pool.waiting and not capacity.has_slot() and capacity.has_headroom():
                     entry = self.choose_headroom(pool)
                     if entry is None:
                         break
-                    admitted.append(
-                        admit(pool, entry, self.within_share(pool, entry.ticket.tenant))
-                    )
+                    admitted.append(admit(pool, entry, self.light_now(pool, entry)))
             progressed = len(admitted) > before and len(live.pools) > 1
         return admitted
 
@@ -57,40 +54,62 @@ class Dispatcher:
     def choose(self, pool: PoolState) -> QueueEntry | None:
         """The next request for the pool: the highest tier with an admissible request, then
         that band's fair-share pick. Honours the pool's hold, and sets one when a blocked head
-        has been overtaken `max_bypass` times."""
+        has been passed over `max_bypass` times while it was owed the pool: a blocked head of a
+        higher tier always is; one of the chosen request's own band when its tenant is within
+        its weighted share of the pool's work (not `over_share`), or once the band's
+        fair-share pick among every member, blocked or not, has been its tenant (a DRR turn
+        is a burst of the next tenant's requests: each of them counts). A tenant over its
+        share whose requests are big is then served by its weight like the others, not
+        whenever `max_bypass` smaller requests went past."""
         capacity = pool.capacity
         if self.backlog_paced(pool):
             return self._choose_light(pool, capacity.fits, self.within_share)
         held = pool.held
         if held is None and capacity.fits(pool.largest_queued_budget()):
             return self._choose_all_fit(pool)
-        blocked: list[tuple[Hold, QueueEntry]] = []
+        # blocked heads the request about to be chosen passes over while they are owed
+        owed: list[tuple[Hold, QueueEntry]] = []
         for band in pool.bands:
             if not band.members:
                 continue
             candidates: list[tuple[str, float]] = []
+            chosen: str | None = None
             if held is not None and band.rank == held.rank:
                 head = self._head(held.tenant, pool)
                 if not capacity.fits(head.ticket.budget):
                     return None
                 candidates.append((held.tenant, 0.0))
+                chosen = held.tenant
             else:
+                blocked: list[tuple[Hold, QueueEntry, float]] = []
                 for name in band.members:
                     head = self._head(name, pool)
+                    cost = self._live.fair_cost(head.ticket)
                     if capacity.fits(head.ticket.budget):
-                        candidates.append((name, self._live.fair_cost(head.ticket)))
+                        candidates.append((name, cost))
                     else:
-                        blocked.append((Hold(band.rank, name), head))
+                        blocked.append((Hold(band.rank, name), head, cost))
                 if not candidates:
+                    owed.extend((hold, head) for hold, head, _cost in blocked)
                     continue
-            if self._max_bypass is not None and blocked:
-                for hold, head in blocked:
+                if blocked and self._max_bypass is not None:
+                    turn = band.fair.pick(
+                        candidates + [(hold.tenant, cost) for hold, _head, cost in blocked]
+                    )
+                    for hold, head, _cost in blocked:
+                        if hold.tenant == turn:
+                            head.turn_came = True
+                        if head.turn_came or not self.over_share(pool, hold.tenant):
+                            owed.append((hold, head))
+                    if all(hold.tenant != turn for hold, _head, _cost in blocked):
+                        chosen = turn
+            if self._max_bypass is not None and owed:
+                for hold, head in owed:
                     if head.bypassed >= self._max_bypass:
                         pool.held = hold
                         return self.choose(pool)
-                for _hold, head in blocked:
+                for _hold, head in owed:
                     head.bypassed += 1
-            chosen = candidates[0][0] if held is not None and band.rank == held.rank else None
             if chosen is None:
                 chosen = band.fair.pick(candidates)
             return self._head(chosen, pool)
@@ -194,6 +213,28 @@ class Dispatcher:
         work = pool.capacity.inflight_tokens + pool.queued_tokens
         # Strictly below: a tenant alone in the pool (all the demand is its own) is not light.
         return demand < work * fraction
+
+    def light_now(self, pool: PoolState, entry: QueueEntry) -> bool:
+        """Whether the tenant of the entry about to be admitted is light: within its share
+        (`within_share`) and with nothing else queued for the pool. A tenant with a queue at
+        the door is backlogged whatever its share of the work: given engine priority over
+        another backlogged tenant, it would take the engine's service from the one the door
+        just admitted by fair share (a chat tenant beside embedding batches, say)."""
+        tenant = entry.ticket.tenant
+        queue = self._live.tenants[tenant].queues.get(pool.name)
+        if queue is not None and queue.live > 1:
+            return False
+        return self.within_share(pool, tenant)
+
+    def over_share(self, pool: PoolState, name: str) -> bool:
+        """Whether the tenant's whole demand in the pool is above its weighted share of the
+        pool's whole demand (the complement of `within_share`, which is strict: at its share
+        exactly a tenant is neither)."""
+        found = self._demand_and_fraction(pool, name)
+        if found is None:
+            return False
+        demand, fraction = found
+        return demand > (pool.capacity.inflight_tokens + pool.queued_tokens) * fraction
 
     def _demand_and_fraction(self, pool: PoolState, name: str) -> tuple[int, float] | None:
         """The tenant's admitted + queued tokens in the pool and its weight's fraction of the

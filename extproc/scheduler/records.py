@@ -24,8 +24,12 @@ class QueueEntry:
     """What submit took from each rate-limit dimension (by name), refunded if never served."""
     alive: bool = True
     bypassed: int = 0
-    """Times a request of another tenant (same or lower tier) went ahead while this one, at
-    the head of its tenant's queue, did not fit the pool's token room."""
+    """Times a request of another tenant went ahead while this one, at the head of its
+    tenant's queue, did not fit the pool's token room and was owed the pool (a lower tier's
+    request went ahead, or its tenant was not over its share, or `turn_came`)."""
+    turn_came: bool = False
+    """Its band's fair-share pick has been its tenant while it did not fit: from then on every
+    request that goes past it counts as a bypass."""
 
 
 class Hold(NamedTuple):

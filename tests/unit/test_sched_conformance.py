@@ -220,6 +220,39 @@ def test_output_charged_only_as_it_streams_without_reservation() -> None:
     assert sched.snapshot()["tenants"]["a"]["fair_share"]["p"] == 180.0
 
 
+def test_big_requests_get_their_weight_not_a_hold_each(fairness: str) -> None:
+    """Where token room is scarce, a tenant of big requests (weight 1) beside a tenant of
+    small ones (weight 3), both always backlogged, gets about a quarter of the admitted cost:
+    the anti-starvation hold is for a head that is owed the pool, not one whose tenant is
+    over its share. (Counting every overtake, a hold after 4 small requests gave the big
+    tenant about four fifths.)"""
+    tenants = {"big": {"tier": "gold", "weight": 1}, "small": {"tier": "gold", "weight": 3}}
+    pools = {"p": {"max_inflight": 40, "max_inflight_tokens": 1000}}
+    sched, _clock = scheduler(
+        make_policy(tenants, fairness=fairness, pools=pools, quantum=200), max_bypass=4
+    )
+    shapes = {"big": (300, 50), "small": (10, 10)}  # budgets 350 and 20, costs 400 and 30
+    for name, (tokens_in, tokens_out) in shapes.items():
+        for _ in range(100):
+            submit_ok(sched, ticket(name, input_tokens=tokens_in, max_output=tokens_out))
+    admitted_cost = {"big": 0.0, "small": 0.0}
+    leases: list[int] = []
+    for _round in range(3000):
+        for admission in sched.dispatch():
+            name = admission.ticket.tenant
+            tokens_in, tokens_out = shapes[name]
+            if _round >= 300:  # past the start, when both have been served
+                admitted_cost[name] += tokens_in + 2 * tokens_out
+            leases.append(admission.lease.lease_id)
+            # both stay backlogged: a new request for each one admitted
+            submit_ok(sched, ticket(name, input_tokens=tokens_in, max_output=tokens_out))
+        if not leases:
+            break
+        sched.release(leases.pop(0))
+    share = admitted_cost["big"] / sum(admitted_cost.values())
+    assert 0.2 <= share <= 0.3, admitted_cost
+
+
 def test_big_head_is_not_starved_by_small_requests(fairness: str) -> None:
     """Without a hold, small requests keep filling the token room a big head needs."""
     tenants = {"big": {"tier": "gold"}, "small": {"tier": "gold"}}

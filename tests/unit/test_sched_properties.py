@@ -77,8 +77,28 @@ class Model:
                 out.append(head)
         return out
 
+    def over_share(self, tenant: str, pool: str) -> bool:
+        """The tenant's admitted + queued budgets in the pool above its weight's fraction (of
+        the tenants active there) of every tenant's admitted + queued budgets there."""
+        demand: dict[str, int] = {}
+        for t in self.leases.values():
+            if t.pool == pool:
+                demand[t.tenant] = demand.get(t.tenant, 0) + t.budget
+        for q in self.queued.values():
+            if q.ticket.pool == pool:
+                demand[q.ticket.tenant] = demand.get(q.ticket.tenant, 0) + q.ticket.budget
+        weights = {name: self.policy.tenants[name].weight for name in demand}
+        total = sum(weights.values())
+        if tenant not in demand or total <= 0:
+            return False
+        return demand[tenant] > sum(demand.values()) * weights[tenant] / total
+
     def count_bypasses(self, admitted: Ticket) -> None:
-        """Room-blocked heads of the same or higher tiers that this admission overtakes."""
+        """Room-blocked heads that this admission passes over while they are owed the pool:
+        every one of a higher tier, and one of the admitted request's tier when its tenant is
+        not over its weighted share of the pool's admitted + queued work. (A head of a tenant
+        over its share waits for its fair-share turn, which the scheduler's band policy keeps:
+        the fair-share tests below check that those tenants get their weights.)"""
         rank = self.rank(admitted.tenant)
         for tenant in self.policy.tenants:
             head = self.head(tenant, admitted.pool)
@@ -89,6 +109,8 @@ class Model:
                 or self.rank(tenant) > rank
                 or self.fits(admitted.pool, head.ticket.budget)
             ):
+                continue
+            if self.rank(tenant) == rank and self.over_share(tenant, admitted.pool):
                 continue
             rid = head.ticket.request_id
             self.bypassed[rid] = self.bypassed.get(rid, 0) + 1
