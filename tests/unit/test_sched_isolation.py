@@ -53,6 +53,23 @@ def test_engine_priority_orders_tiers_strictly_then_light_before_backlogged() ->
     assert vip.engine_priority < quiet.engine_priority < first[0].engine_priority
 
 
+def test_a_tenant_with_a_queue_at_the_door_is_not_light_whatever_its_share() -> None:
+    """Two backlogged tenants: "quiet" asks for less work than its half (2 small requests
+    against the flooder's 10 big ones), but while a second request of its own waits at the
+    door it is backlogged too, and gets the backlogged engine priority; its last queued
+    request is light again."""
+    sched = Scheduler(_policy("prefill_budget_tokens: 0", max_inflight=2), ManualClock(0.0))
+    _submit(sched, *(_ticket(f"f{i}", "flood", prompt=2000) for i in range(10)))
+    first = sched.dispatch()
+    _submit(sched, _ticket("q0", "quiet"), _ticket("q1", "quiet"))
+    sched.release(first[0].lease.lease_id)
+    (q0,) = sched.dispatch()
+    assert q0.ticket.request_id == "q0" and q0.engine_priority == 3  # q1 still queued
+    sched.release(first[1].lease.lease_id)
+    admitted = _by_id(sched.dispatch())
+    assert admitted["q1"].engine_priority == 2  # nothing of quiet's left at the door
+
+
 def test_engine_priority_off_leaves_the_admission_without_one() -> None:
     sched = Scheduler(_policy("engine_priority: false"), ManualClock(0.0))
     _submit(sched, _ticket("f0", "flood"))
