@@ -27,9 +27,12 @@ Definitions used throughout:
   now. `dispatch()` is work-conserving: when it returns, no admissible request waits, except
   behind a *hold* (below).
 * Hold (anti-starvation): a head that does not fit the pool's free token room while smaller
-  requests of its own or lower tiers keep going past it is overtaken at most `max_bypass` times;
-  then the pool is held for its tenant: its own and lower tiers dispatch nothing more to that
-  pool until the head fits. Higher tiers are unaffected.
+  requests of its own or lower tiers keep going past it is overtaken at most `max_bypass` times
+  while it is owed the pool; then the pool is held for its tenant: its own and lower tiers
+  dispatch nothing more to that pool until the head fits. Higher tiers are unaffected. A head
+  is owed the pool by a lower tier always, and within its tier when its tenant is not over its
+  weighted share of the pool's work or once the band's fair-share pick has been its tenant:
+  a tenant of big requests gets its weight, not the pool after every `max_bypass` small ones.
 
 Hooks for shared state (several replicas, one Redis; extproc.state): the core stays
 synchronous and knows nothing about Redis. An adapter that must confirm an admission with a
