@@ -96,6 +96,9 @@ class Arm:
     phases: bool = False
     include_usage: bool = False
     """The clients ask for usage themselves: the service then leaves the body alone."""
+    accounting_process: bool = True
+    """The service's accounting streams in their own process (`serve --accounting-grpc`);
+    False: on the admission process's event loop (`-inproc` arms, the layout before)."""
 
 
 ARMS = (
@@ -106,10 +109,12 @@ ARMS = (
     Arm("alone-service-usage", "service", "alone", phases=True, include_usage=True),
     Arm("room-fifo", "straight", "room"),
     Arm("room-full", "service", "room"),
+    Arm("room-inproc", "service", "room", accounting_process=False),
     Arm("over-fifo", "straight", "over"),
     Arm("over-noop", "noop", "over"),
     Arm("over-kvwarden", "kvwarden", "over"),
     Arm("over-full", "service", "over"),
+    Arm("over-inproc", "service", "over", accounting_process=False),
 )
 
 
@@ -171,7 +176,11 @@ def front(arm: Arm, workdir: Path, endpoint: str, kvwarden_venv: Path) -> Iterat
         return
     edit = phases.timed_bootstrap  # every Envoy arm logs; the alone arms' phases are the table
     with gateway_stack(
-        workdir / arm.name, policy_text(endpoint), FRONTS[arm.front], bootstrap_edit=edit
+        workdir / arm.name,
+        policy_text(endpoint),
+        FRONTS[arm.front],
+        bootstrap_edit=edit,
+        accounting_process=arm.accounting_process,
     ) as gateway:
         yield gateway
 

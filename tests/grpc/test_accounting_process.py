@@ -1,0 +1,146 @@
+"""Hermetic: the accounting streams served by a child process (`serve --accounting-grpc`).
+
+The admission streams go to this process's gRPC server, the accounting streams to the child's;
+what the child sees reaches the scheduler here as events: the first token (prefill pacing), the
+streamed output, the end with its usage. A child that dies leaves no capacity taken, and is
+restarted on the same port.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+from collections.abc import AsyncIterator
+
+import grpc
+import pytest
+from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ext_proc_grpc
+
+from extproc.policy import policy_from_text
+from extproc.service.accounting_process import AccountingChild
+from extproc.service.composition import compose
+from extproc.service.gateway import Gateway
+from tests.conftest import policy_yaml
+from tests.grpc.test_engine_priority import _AccountingStream, _chat, _forward, _policy
+from tests.grpc.test_extproc_stream import response_ends, set_headers
+from tests.grpc_support import served_stub
+
+Stub = ext_proc_grpc.ExternalProcessorStub
+
+
+async def until(check, what: str, timeout: float = 10.0) -> None:  # type: ignore[no-untyped-def]
+    """Poll the (asynchronously fed) scheduler state; fail after `timeout`."""
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not check():
+        if asyncio.get_running_loop().time() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        await asyncio.sleep(0.01)
+
+
+def counted(gateway: Gateway, tenant: str, direction: str) -> float | None:
+    return gateway.metrics.registry.get_sample_value(
+        "extproc_tokens_total", {"tenant": tenant, "direction": direction}
+    )
+
+
+async def child_served(gateway: Gateway) -> AsyncIterator[tuple[AccountingChild, Stub]]:
+    child = AccountingChild(gateway, "127.0.0.1:0")
+    port = await child.start()
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
+    try:
+        yield child, ext_proc_grpc.ExternalProcessorStub(channel)
+    finally:
+        await channel.close()
+        await child.stop()
+
+
+@pytest.fixture
+async def served() -> AsyncIterator[tuple[Gateway, Stub, AccountingChild, Stub]]:
+    gateway = compose(policy_from_text(policy_yaml(short_inflight=1)))
+    async with served_stub(gateway) as admission:
+        async for child, accounting in child_served(gateway):
+            yield gateway, admission, child, accounting
+
+
+async def test_a_response_accounted_by_the_child_settles_here(served) -> None:  # type: ignore[no-untyped-def]
+    gateway, admission, child, accounting = served
+    first, forward = await _forward(admission, "globex", _chat())
+    assert forward.WhichOneof("response") == "request_body"
+    second, held = await _forward(admission, "initech", _chat())
+    assert held.HasField("override_message_timeout")  # short_inflight=1: the first holds it
+    await response_ends(accounting, forward, usage=(9, 4))
+    reply = await second.read()  # the child's settle freed the slot here
+    assert reply.WhichOneof("response") == "request_body"
+    assert counted(gateway, "globex", "input") == 9
+    assert counted(gateway, "globex", "output") == 4
+    assert child.open_streams == 0
+    for peer in (first, second):
+        await peer.close()
+        await peer.call.code()
+
+
+async def test_the_first_token_seen_by_the_child_paces_the_next_request() -> None:
+    gateway = compose(policy_from_text(_policy("prefill_budget_tokens: 5")))
+    async with served_stub(gateway) as admission:
+        async for _child, accounting in child_served(gateway):
+            first, forward = await _forward(admission, "globex", _chat(stream=True))
+            request_id = set_headers(forward, "request_body")["x-gateway-request-id"]
+            second, held = await _forward(admission, "globex", _chat(stream=True))
+            assert held.HasField("override_message_timeout")  # paced: the first prefills
+            stream = _AccountingStream(accounting, request_id)
+            stream.chunk(b'data: {"choices": [{"delta": {"content": "a"}}]}\n\n')
+            reply = await second.read()
+            assert reply.WhichOneof("response") == "request_body"
+            assert gateway.scheduler.snapshot()["pools"]["short"]["inflight"] == 2
+            stream.chunk(b'data: {"choices": [], "usage": {"prompt_tokens": 3, ')
+            stream.chunk(b'"completion_tokens": 7, "total_tokens": 10}}\n\ndata: [DONE]\n\n')
+            await stream.end()
+            await until(
+                lambda: gateway.scheduler.snapshot()["pools"]["short"]["inflight"] == 1, "settle"
+            )
+            assert counted(gateway, "globex", "output") == 7
+            for peer in (first, second):
+                await peer.close()
+                await peer.call.code()
+
+
+async def test_a_dead_child_leaves_no_capacity_taken_and_is_restarted(served) -> None:  # type: ignore[no-untyped-def]
+    gateway, admission, child, accounting = served
+    first, forward = await _forward(admission, "globex", _chat(stream=True))
+    request_id = set_headers(forward, "request_body")["x-gateway-request-id"]
+    stream = _AccountingStream(accounting, request_id)
+    stream.chunk(b'data: {"choices": [{"delta": {"content": "a"}}]}\n\n')
+    await until(lambda: child.open_streams == 1, "the child's attach")
+    pid = child.pid
+    assert pid is not None
+    os.kill(pid, signal.SIGKILL)
+    # Settled with the output the child reported: the slot is free at once.
+    await until(lambda: gateway.scheduler.snapshot()["pools"]["short"]["inflight"] == 0, "settle")
+    await until(lambda: child.restarts == 1 and child.pid != pid, "the restart")
+    assert (await stream.call.code()) != grpc.StatusCode.OK  # the stream died with the child
+    # The restarted child serves the same port and accounts the next request.
+    second, forward = await _forward(admission, "initech", _chat())
+    assert forward.WhichOneof("response") == "request_body"
+    await response_ends(accounting, forward, usage=(5, 2))
+    await until(lambda: gateway.scheduler.snapshot()["pools"]["short"]["inflight"] == 0, "settle")
+    assert counted(gateway, "initech", "output") == 2
+    for peer in (first, second):
+        await peer.close()
+        await peer.call.code()
+
+
+async def test_admission_is_answered_while_the_child_is_frozen(served) -> None:  # type: ignore[no-untyped-def]
+    """The child's stalls are not the admission's: frozen, it delays only the accounting."""
+    gateway, admission, child, accounting = served
+    pid = child.pid
+    assert pid is not None
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        first, forward = await _forward(admission, "globex", _chat())
+        assert forward.WhichOneof("response") == "request_body"
+        assert await asyncio.wait_for(first.call.code(), 5) == grpc.StatusCode.OK
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    await response_ends(accounting, forward, usage=(1, 1))
+    await until(lambda: gateway.scheduler.snapshot()["pools"]["short"]["inflight"] == 0, "settle")
