@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import struct
+import time
 from collections.abc import Callable
 
 import orjson
@@ -32,7 +33,10 @@ from extproc.sse import Usage
 
 log = logging.getLogger("extproc.accounting_link")
 
-ATTACH, STARTED, FIRST_BYTE, OUTPUT, SETTLE, READY = "a", "r", "f", "o", "s", "ready"
+ATTACH, STARTED, FIRST_BYTE, OUTPUT, SETTLE, READY, LAG = "a", "r", "f", "o", "s", "ready", "l"
+LAG_INTERVAL_S = 0.05
+"""The child samples its event-loop lag this often and reports it ([LAG, lag in µs]); the
+parent also counts the silence since the last report: a stopped child reports nothing."""
 _HEADER = struct.Struct("!I")
 MAX_FRAME = 64 * 1024 * 1024
 
@@ -160,6 +164,16 @@ class ForwardingPort:
             self._write(encode_frame(events))
 
 
+async def report_lag(port: ForwardingPort) -> None:
+    """The child's ticker: its event-loop lag, every LAG_INTERVAL_S, as a LAG event."""
+    loop = asyncio.get_running_loop()
+    while True:
+        expected = loop.time() + LAG_INTERVAL_S
+        await asyncio.sleep(LAG_INTERVAL_S)
+        lag_us = max(0, round((loop.time() - expected) * 1e6))
+        port.emit([LAG, lag_us])
+
+
 # -- the parent's end --------------------------------------------------------------------------
 
 
@@ -174,17 +188,31 @@ class _Open:
 class EventApplier:
     """The admitting process's end: the child's events, replayed on the real port."""
 
-    def __init__(self, port: AccountingPort) -> None:
+    def __init__(self, port: AccountingPort, clock: Callable[[], float] = time.monotonic) -> None:
         self._port = port
+        self._clock = clock
         self._open: dict[int, _Open] = {}
         self.ready = asyncio.get_running_loop().create_future()
         """Resolves to the child's gRPC port once it serves."""
+        self._lag_s = 0.0
+        self._heard_at: float | None = None
+        self.lost = False
+
+    def behind_s(self) -> float:
+        """How far behind the child is: its last reported loop lag, or the silence since its
+        last report beyond the reporting interval, whichever is larger; 0 once the link is
+        lost (nothing will attach then) or before the child reported at all."""
+        if self.lost or self._heard_at is None:
+            return 0.0
+        silence = self._clock() - self._heard_at - 2 * LAG_INTERVAL_S
+        return max(self._lag_s, silence, 0.0)
 
     @property
     def open_streams(self) -> int:
         return len(self._open)
 
     def apply(self, events: list[list[object]]) -> None:
+        self._heard_at = self._clock()
         for event in events:
             try:
                 self._apply(event)
@@ -197,6 +225,9 @@ class EventApplier:
             lease = self._port.attach(str(event[2]))
             if lease is not None:
                 self._open[stream] = _Open(lease)
+            return
+        if kind == LAG:
+            self._lag_s = stream / 1e6
             return
         if kind == READY:
             if not self.ready.done():
@@ -223,6 +254,7 @@ class EventApplier:
 
     def link_lost(self) -> int:
         """The child is gone: settle every open lease with the output it reported."""
+        self.lost = True
         lost, self._open = self._open, {}
         for entry in lost.values():
             try:

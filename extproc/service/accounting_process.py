@@ -34,6 +34,7 @@ from extproc.service.accounting_link import (
     EventApplier,
     ForwardingPort,
     encode_frame,
+    report_lag,
 )
 from extproc.service.ports import AccountingPort
 
@@ -66,6 +67,10 @@ class AccountingChild:
     @property
     def open_streams(self) -> int:
         return self.applier.open_streams if self.applier is not None else 0
+
+    def behind_s(self) -> float:
+        """How far behind the running child is (0 while none runs): attaches may come late."""
+        return self.applier.behind_s() if self.applier is not None else 0.0
 
     async def start(self) -> int:
         """Start the child; its gRPC port once it serves (OSError if it does not)."""
@@ -176,7 +181,9 @@ async def _serve_child(address: str, fd: int) -> None:
     port = ForwardingPort(transport.write)
     server, grpc_port = await start_accounting_server(port, address)
     transport.write(encode_frame([[READY, grpc_port]]))
+    ticker = loop.create_task(report_lag(port))
     await closed.wait()
+    ticker.cancel()
     await server.stop(0)
 
 

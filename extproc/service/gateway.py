@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+from collections.abc import Callable
 
 from extproc.admission import AdmissionController, Grant
 from extproc.errors import overloaded
@@ -95,6 +96,11 @@ class Gateway:
         await self._lag_monitor.stop()
         await self.engine_poller.stop()
         await self._admission.close()
+
+    def accounting_runs_behind_by(self, behind: Callable[[], float]) -> None:
+        """The accounting streams run in a child process that reports how far behind it is:
+        a forwarded request's capacity waits that much longer for its attach."""
+        self._settlement.accounting_behind = behind
 
     def track_engines(self, policy: Policy) -> None:
         ledger = self.ledger

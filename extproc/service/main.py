@@ -293,6 +293,7 @@ class Service:
         if options.accounting_grpc:
             self.accounting = AccountingChild(gateway, options.accounting_grpc)
             self.accounting_port = await self.accounting.start()
+            gateway.accounting_runs_behind_by(self.accounting.behind_s)
         self.server, self.grpc_port = await start_grpc_server(
             gateway, options.grpc, gateway.overload
         )

@@ -9,6 +9,7 @@ restarted on the same port.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 from collections.abc import AsyncIterator
@@ -18,6 +19,7 @@ import pytest
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ext_proc_grpc
 
 from extproc.policy import policy_from_text
+from extproc.service import request as request_record
 from extproc.service.accounting_process import AccountingChild
 from extproc.service.composition import compose
 from extproc.service.gateway import Gateway
@@ -44,6 +46,7 @@ def counted(gateway: Gateway, tenant: str, direction: str) -> float | None:
     )
 
 
+@contextlib.asynccontextmanager
 async def child_served(gateway: Gateway) -> AsyncIterator[tuple[AccountingChild, Stub]]:
     child = AccountingChild(gateway, "127.0.0.1:0")
     port = await child.start()
@@ -58,9 +61,8 @@ async def child_served(gateway: Gateway) -> AsyncIterator[tuple[AccountingChild,
 @pytest.fixture
 async def served() -> AsyncIterator[tuple[Gateway, Stub, AccountingChild, Stub]]:
     gateway = compose(policy_from_text(policy_yaml(short_inflight=1)))
-    async with served_stub(gateway) as admission:
-        async for child, accounting in child_served(gateway):
-            yield gateway, admission, child, accounting
+    async with served_stub(gateway) as admission, child_served(gateway) as (child, accounting):
+        yield gateway, admission, child, accounting
 
 
 async def test_a_response_accounted_by_the_child_settles_here(served) -> None:  # type: ignore[no-untyped-def]
@@ -82,27 +84,26 @@ async def test_a_response_accounted_by_the_child_settles_here(served) -> None:  
 
 async def test_the_first_token_seen_by_the_child_paces_the_next_request() -> None:
     gateway = compose(policy_from_text(_policy("prefill_budget_tokens: 5")))
-    async with served_stub(gateway) as admission:
-        async for _child, accounting in child_served(gateway):
-            first, forward = await _forward(admission, "globex", _chat(stream=True))
-            request_id = set_headers(forward, "request_body")["x-gateway-request-id"]
-            second, held = await _forward(admission, "globex", _chat(stream=True))
-            assert held.HasField("override_message_timeout")  # paced: the first prefills
-            stream = _AccountingStream(accounting, request_id)
-            stream.chunk(b'data: {"choices": [{"delta": {"content": "a"}}]}\n\n')
-            reply = await second.read()
-            assert reply.WhichOneof("response") == "request_body"
-            assert gateway.scheduler.snapshot()["pools"]["short"]["inflight"] == 2
-            stream.chunk(b'data: {"choices": [], "usage": {"prompt_tokens": 3, ')
-            stream.chunk(b'"completion_tokens": 7, "total_tokens": 10}}\n\ndata: [DONE]\n\n')
-            await stream.end()
-            await until(
-                lambda: gateway.scheduler.snapshot()["pools"]["short"]["inflight"] == 1, "settle"
-            )
-            assert counted(gateway, "globex", "output") == 7
-            for peer in (first, second):
-                await peer.close()
-                await peer.call.code()
+    async with served_stub(gateway) as admission, child_served(gateway) as (_child, accounting):
+        first, forward = await _forward(admission, "globex", _chat(stream=True))
+        request_id = set_headers(forward, "request_body")["x-gateway-request-id"]
+        second, held = await _forward(admission, "globex", _chat(stream=True))
+        assert held.HasField("override_message_timeout")  # paced: the first prefills
+        stream = _AccountingStream(accounting, request_id)
+        stream.chunk(b'data: {"choices": [{"delta": {"content": "a"}}]}\n\n')
+        reply = await second.read()
+        assert reply.WhichOneof("response") == "request_body"
+        assert gateway.scheduler.snapshot()["pools"]["short"]["inflight"] == 2
+        stream.chunk(b'data: {"choices": [], "usage": {"prompt_tokens": 3, ')
+        stream.chunk(b'"completion_tokens": 7, "total_tokens": 10}}\n\ndata: [DONE]\n\n')
+        await stream.end()
+        await until(
+            lambda: gateway.scheduler.snapshot()["pools"]["short"]["inflight"] == 1, "settle"
+        )
+        assert counted(gateway, "globex", "output") == 7
+        for peer in (first, second):
+            await peer.close()
+            await peer.call.code()
 
 
 async def test_a_dead_child_leaves_no_capacity_taken_and_is_restarted(served) -> None:  # type: ignore[no-untyped-def]
@@ -144,3 +145,45 @@ async def test_admission_is_answered_while_the_child_is_frozen(served) -> None: 
         os.kill(pid, signal.SIGCONT)
     await response_ends(accounting, forward, usage=(1, 1))
     await until(lambda: gateway.scheduler.snapshot()["pools"]["short"]["inflight"] == 0, "settle")
+
+
+async def test_capacity_waits_for_an_accounting_process_that_is_behind(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """A frozen child reports nothing: its silence counts as lag, so a forwarded request's
+    slot is not freed after the attach grace as if its accounting stream would never come
+    (that would admit work the engine still runs); it attaches and settles once thawed."""
+    monkeypatch.setattr(request_record, "ATTACH_GRACE_S", 0.05)
+    gateway = compose(policy_from_text(policy_yaml(short_inflight=1)))
+    async with served_stub(gateway) as admission, child_served(gateway) as (child, accounting):
+        gateway.accounting_runs_behind_by(child.behind_s)
+        await until(lambda: child.behind_s() == 0.0 and child.applier is not None, "a report")
+        pid = child.pid
+        assert pid is not None
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            await until(lambda: child.behind_s() > 0.1, "the silence to count")
+            first, forward = await _forward(admission, "globex", _chat())
+            assert await asyncio.wait_for(first.call.code(), 5) == grpc.StatusCode.OK
+            ends = asyncio.ensure_future(response_ends(accounting, forward, usage=(2, 3)))
+            await asyncio.sleep(0.5)  # ten graces
+            assert gateway.scheduler.snapshot()["pools"]["short"]["inflight"] == 1
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        await ends
+        await until(lambda: counted(gateway, "globex", "output") == 3, "the settle")
+        assert gateway.scheduler.snapshot()["pools"]["short"]["inflight"] == 0
+        await first.close()
+
+
+async def test_without_reports_the_attach_grace_frees_the_slot(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """The same request when the accounting side is not behind (a child that is down, or
+    in-process accounting): freed after the grace, as before."""
+    monkeypatch.setattr(request_record, "ATTACH_GRACE_S", 0.05)
+    gateway = compose(policy_from_text(policy_yaml(short_inflight=1)))
+    gateway.accounting_runs_behind_by(lambda: 0.0)
+    async with served_stub(gateway) as admission:
+        first, _ = await _forward(admission, "globex", _chat())
+        assert await asyncio.wait_for(first.call.code(), 5) == grpc.StatusCode.OK
+        await until(
+            lambda: gateway.scheduler.snapshot()["pools"]["short"]["inflight"] == 0, "the grace"
+        )
+        await first.close()
