@@ -44,6 +44,11 @@ READY_TIMEOUT_S = 20.0
 STOP_TIMEOUT_S = 5.0
 RESTART_BACKOFF_MIN_S, RESTART_BACKOFF_MAX_S = 0.2, 10.0
 _PR_SET_PDEATHSIG = 1
+NICENESS = 10
+"""The child runs at a lower CPU priority than its parent: when the host is saturated, the
+kernel gives the admission process (whose replies Envoy waits on) the CPU first, and the
+accounting falls behind instead; the parent then holds the capacity of the requests it has not
+heard of yet (`Settlement.accounting_behind`), which slows admission to what is accounted."""
 
 
 class AccountingChild:
@@ -201,6 +206,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     _die_with_parent()
     if os.getppid() == 1:  # the parent died before the line above
         return 1
+    with contextlib.suppress(OSError):
+        os.nice(NICENESS)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(message)s")
