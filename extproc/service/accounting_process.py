@@ -189,6 +189,9 @@ async def _serve_child(address: str, fd: int) -> None:
     ticker = loop.create_task(report_lag(port))
     await closed.wait()
     ticker.cancel()
+    # The parent is gone: what the streams still open would report has nowhere to go, and
+    # their abort by the stop is not a failure worth a traceback each.
+    logging.getLogger("extproc.server").setLevel(logging.CRITICAL)
     await server.stop(0)
 
 

@@ -9,7 +9,9 @@ sends 1 request/s, a flooder 32 requests/s x 64 tokens ("room": the engine keeps
 `include_usage`). Fronts: Envoy straight to the engine (FIFO in the engine), Envoy with the
 do-nothing ext_proc (`noop`), kvwarden 0.1.6 (per-tenant token bucket 600/min, burst 10,
 tenants from `X-Tenant-ID`; its own venv, scripts/setup-kvwarden.sh), and Envoy with our
-service (the default policy: DRR, headroom, adaptive soft limit, overload shedding).
+service (the default policy: DRR, headroom, adaptive soft limit, overload shedding), its
+accounting streams in their own process (`serve --accounting-grpc`; the `-inproc` arms keep
+them on the admission process's event loop, the layout before, side by side).
 
 Per arm: the quiet tenant's time to the first streamed chunk (P50/P99, their ratio to the
 quiet tenant alone straight to the engine: "solo"), its failed requests, the flooder's answers
