@@ -109,6 +109,7 @@ ARMS = (
     Arm("alone-kvwarden", "kvwarden", "alone"),
     Arm("alone-service", "service", "alone", phases=True),
     Arm("alone-service-usage", "service", "alone", phases=True, include_usage=True),
+    Arm("alone-inproc", "service", "alone", phases=True, accounting_process=False),
     Arm("room-fifo", "straight", "room"),
     Arm("room-full", "service", "room"),
     Arm("room-inproc", "service", "room", accounting_process=False),
