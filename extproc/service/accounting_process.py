@@ -36,6 +36,7 @@ from extproc.service.accounting_link import (
     encode_frame,
     report_lag,
 )
+from extproc.service.logs import configure_logging
 from extproc.service.ports import AccountingPort
 
 log = logging.getLogger("extproc.accounting_process")
@@ -54,9 +55,10 @@ heard of yet (`Settlement.accounting_behind`), which slows admission to what is 
 class AccountingChild:
     """The parent's handle on its accounting process: start, restart on death, stop."""
 
-    def __init__(self, port: AccountingPort, address: str) -> None:
+    def __init__(self, port: AccountingPort, address: str, log_format: str = "json") -> None:
         self._port = port
         self.address = address
+        self._log_format = log_format
         self.grpc_port = 0
         self.applier: EventApplier | None = None
         self.restarts = 0
@@ -94,6 +96,7 @@ class AccountingChild:
             self._process = await asyncio.create_subprocess_exec(
                 sys.executable, "-m", "extproc.service.accounting_process",
                 "--grpc", address, "--fd", str(theirs.fileno()),
+                "--log-format", self._log_format,
                 pass_fds=(theirs.fileno(),),
             )  # fmt: skip
         finally:
@@ -183,7 +186,12 @@ async def _serve_child(address: str, fd: int) -> None:
     transport, _ = await loop.create_connection(
         lambda: _LinkProtocol(closed), sock=socket.socket(fileno=fd)
     )
-    port = ForwardingPort(transport.write)
+
+    def write(frame: bytes) -> None:
+        if not transport.is_closing():  # the parent closed the link: the child stops
+            transport.write(frame)
+
+    port = ForwardingPort(write)
     server, grpc_port = await start_accounting_server(port, address)
     transport.write(encode_frame([[READY, grpc_port]]))
     ticker = loop.create_task(report_lag(port))
@@ -205,6 +213,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m extproc.service.accounting_process")
     parser.add_argument("--grpc", required=True)
     parser.add_argument("--fd", type=int, required=True)
+    parser.add_argument("--log-format", choices=("json", "text"), default="json")
     args = parser.parse_args(argv)
     _die_with_parent()
     if os.getppid() == 1:  # the parent died before the line above
@@ -213,7 +222,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         os.nice(NICENESS)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(message)s")
+    configure_logging(args.log_format, logging.WARNING)
     with contextlib.suppress(ImportError):
         import uvloop
 

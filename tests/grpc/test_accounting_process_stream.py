@@ -13,6 +13,7 @@ import contextlib
 import os
 import signal
 from collections.abc import AsyncIterator
+from pathlib import Path
 
 import grpc
 import pytest
@@ -27,6 +28,7 @@ from tests.conftest import policy_yaml
 from tests.grpc.test_engine_priority import _AccountingStream, _chat, _forward, _policy
 from tests.grpc.test_extproc_stream import response_ends, set_headers
 from tests.grpc_support import served_stub
+from tests.serve_support import ServeProcess, get_json, http, serve_process, wait_for
 
 Stub = ext_proc_grpc.ExternalProcessorStub
 
@@ -187,3 +189,60 @@ async def test_without_reports_the_attach_grace_frees_the_slot(monkeypatch) -> N
             lambda: gateway.scheduler.snapshot()["pools"]["short"]["inflight"] == 0, "the grace"
         )
         await first.close()
+
+
+async def test_the_drain_waits_for_the_responses_the_child_accounts(tmp_path: Path) -> None:
+    """`serve --accounting-grpc`: on SIGTERM the admission server stops at once, but the
+    process stays (draining) until the response the child is accounting has ended and settled;
+    then it stops the child and exits 0."""
+    policy = tmp_path / "policy.yaml"
+    policy.write_text(policy_yaml(short_inflight=1))
+    args = ("--drain-grace", "30", "--accounting-grpc", "127.0.0.1:0")
+    with serve_process(policy, tmp_path, *args) as served:
+        serving = served.find_log("serving")
+        assert serving is not None
+        admission_channel = grpc.aio.insecure_channel(served.grpc_target)
+        child_channel = grpc.aio.insecure_channel(f"127.0.0.1:{serving['accounting_grpc']}")
+        try:
+            admission = ext_proc_grpc.ExternalProcessorStub(admission_channel)
+            first, forward = await _forward(admission, "globex", _chat(stream=True))
+            request_id = set_headers(forward, "request_body")["x-gateway-request-id"]
+            stream = _AccountingStream(
+                ext_proc_grpc.ExternalProcessorStub(child_channel), request_id
+            )
+            stream.chunk(b'data: {"choices": [{"delta": {"content": "a"}}]}\n\n')
+            await asyncio.to_thread(
+                wait_for, lambda: _inflight(served) == 1 and _first_token_seen(served), "the attach"
+            )
+            served.signal(signal.SIGTERM)
+            await asyncio.to_thread(
+                wait_for, lambda: get_json(served.admin_url + "/readyz")[0] == 503, "draining"
+            )
+            await asyncio.sleep(0.5)
+            assert served.process.poll() is None  # held by the child's open stream
+            stream.chunk(b'data: {"choices": [], "usage": {"prompt_tokens": 3, ')
+            stream.chunk(b'"completion_tokens": 7, "total_tokens": 10}}\n\ndata: [DONE]\n\n')
+            await stream.end()
+            assert await asyncio.to_thread(served.wait, 20) == 0
+            await first.close()
+        finally:
+            await admission_channel.close()
+            await child_channel.close()
+    drained = served.find_log("drained")
+    assert drained is not None and drained["inflight_cut"] == 0
+    (finished,) = [e for e in served.log_lines() if e.get("logger") == "extproc.request"]
+    assert finished["outcome"] == "admitted" and finished["output_tokens"] == 7
+
+
+def _inflight(served: ServeProcess) -> int:
+    _, view = get_json(served.admin_url + "/v1/tenants")
+    return int(view["pools"]["short"]["inflight"])
+
+
+def _first_token_seen(served: ServeProcess) -> bool:
+    """The child's attach and first byte reached the parent: its TTFT histogram counted one."""
+    _, _, body = http("GET", served.admin_url + "/metrics")
+    return any(
+        line.startswith("extproc_ttft_seconds_count") and not line.endswith(" 0.0")
+        for line in body.decode().splitlines()
+    )
