@@ -188,9 +188,19 @@ class _Open:
 class EventApplier:
     """The admitting process's end: the child's events, replayed on the real port."""
 
-    def __init__(self, port: AccountingPort, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        port: AccountingPort,
+        clock: Callable[[], float] = time.monotonic,
+        forwarded_at: Callable[[str], float | None] = lambda request_id: None,
+    ) -> None:
         self._port = port
         self._clock = clock
+        self._forwarded_at = forwarded_at
+        self._attach_delay_s = 0.0
+        """From the forward to the child's attach, for the last request this process admitted:
+        how late attaches come now (grpc-core may hand the child new streams late while its
+        loop is on time, so its lag alone does not say it)."""
         self._open: dict[int, _Open] = {}
         self.ready = asyncio.get_running_loop().create_future()
         """Resolves to the child's gRPC port once it serves."""
@@ -199,13 +209,13 @@ class EventApplier:
         self.lost = False
 
     def behind_s(self) -> float:
-        """How far behind the child is: its last reported loop lag, or the silence since its
-        last report beyond the reporting interval, whichever is larger; 0 once the link is
-        lost (nothing will attach then) or before the child reported at all."""
+        """How far behind the child is: the largest of its last reported loop lag, the silence
+        since its last report beyond the reporting interval, and how late the last attach came;
+        0 once the link is lost (nothing will attach then) or before the child reported."""
         if self.lost or self._heard_at is None:
             return 0.0
         silence = self._clock() - self._heard_at - 2 * LAG_INTERVAL_S
-        return max(self._lag_s, silence, 0.0)
+        return max(self._lag_s, silence, self._attach_delay_s, 0.0)
 
     @property
     def open_streams(self) -> int:
@@ -222,7 +232,11 @@ class EventApplier:
     def _apply(self, event: list[object]) -> None:
         kind, stream = event[0], _int(event[1])
         if kind == ATTACH:
-            lease = self._port.attach(str(event[2]))
+            request_id = str(event[2])
+            forwarded = self._forwarded_at(request_id)
+            if forwarded is not None:
+                self._attach_delay_s = max(0.0, self._clock() - forwarded)
+            lease = self._port.attach(request_id)
             if lease is not None:
                 self._open[stream] = _Open(lease)
             return

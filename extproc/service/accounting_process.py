@@ -26,7 +26,7 @@ import os
 import signal
 import socket
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from extproc.service.accounting_link import (
     READY,
@@ -55,8 +55,15 @@ heard of yet (`Settlement.accounting_behind`), which slows admission to what is 
 class AccountingChild:
     """The parent's handle on its accounting process: start, restart on death, stop."""
 
-    def __init__(self, port: AccountingPort, address: str, log_format: str = "json") -> None:
+    def __init__(
+        self,
+        port: AccountingPort,
+        address: str,
+        log_format: str = "json",
+        forwarded_at: Callable[[str], float | None] = lambda request_id: None,
+    ) -> None:
         self._port = port
+        self._forwarded_at = forwarded_at
         self.address = address
         self._log_format = log_format
         self.grpc_port = 0
@@ -88,7 +95,7 @@ class AccountingChild:
     async def _spawn(self) -> None:
         loop = asyncio.get_running_loop()
         ours, theirs = socket.socketpair()
-        applier = EventApplier(self._port)
+        applier = EventApplier(self._port, forwarded_at=self._forwarded_at)
         try:
             # A restarted child binds the port its first run got (the address may say 0).
             host = self.address.rpartition(":")[0]

@@ -97,6 +97,12 @@ class Gateway:
         await self.engine_poller.stop()
         await self._admission.close()
 
+    def forwarded_at(self, request_id: str) -> float | None:
+        """When this process forwarded the request (its admission stream ended), if it did:
+        how late an accounting process's attach comes is measured from there."""
+        request = self._registry.get(request_id)
+        return request.admission_ended_at if request is not None else None
+
     def accounting_runs_behind_by(self, behind: Callable[[], float]) -> None:
         """The accounting streams run in a child process that reports how far behind it is:
         a forwarded request's capacity waits that much longer for its attach."""

@@ -291,7 +291,9 @@ class Service:
         self.admin.reloader = self.reloader
         self.engine_watch.start()
         if options.accounting_grpc:
-            self.accounting = AccountingChild(gateway, options.accounting_grpc, options.log_format)
+            self.accounting = AccountingChild(
+                gateway, options.accounting_grpc, options.log_format, gateway.forwarded_at
+            )
             self.accounting_port = await self.accounting.start()
             gateway.accounting_runs_behind_by(self.accounting.behind_s)
         self.server, self.grpc_port = await start_grpc_server(

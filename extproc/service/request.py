@@ -177,11 +177,16 @@ class Settlement:
             return  # settle() releases and records it
         behind = self.accounting_behind()
         ended = request.admission_ended_at
-        if behind > 0 and ended is not None and time.monotonic() - ended < ATTACH_WAIT_MAX_S:
-            asyncio.get_running_loop().call_later(
-                min(behind, ATTACH_GRACE_S), self._unclaimed_after_grace, request
-            )
-            return
+        if behind > 0 and ended is not None:
+            # Attaches arrive `behind` late now: wait that long past the grace (re-checked).
+            wait_until = ended + min(behind + ATTACH_GRACE_S, ATTACH_WAIT_MAX_S)
+            if time.monotonic() < wait_until:
+                asyncio.get_running_loop().call_later(
+                    min(wait_until - time.monotonic(), ATTACH_GRACE_S),
+                    self._unclaimed_after_grace,
+                    request,
+                )
+                return
         self._hand_off(request)
         self.record(request)
 

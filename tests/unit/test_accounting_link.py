@@ -102,3 +102,18 @@ async def test_behind_is_the_reported_lag_or_the_silence() -> None:
     assert applier.behind_s() == 0.0
     now[0] += 0.6  # silent: a stopped or starved child
     assert 0.45 < applier.behind_s() < 0.55
+
+
+async def test_behind_counts_how_late_the_last_attach_came() -> None:
+    """grpc-core may hand the child new streams late while its loop is on time: the delay
+    from the forward to the attach says so."""
+    now = [50.0]
+    forwarded = {"r1": 47.5}
+    applier = EventApplier(RecordingPort(), clock=lambda: now[0], forwarded_at=forwarded.get)
+    applier.apply([[LAG, 0], ["a", 1, "r1"]])
+    assert applier.behind_s() == 2.5
+    applier.apply([["a", 2, "not-ours"]])  # admitted elsewhere: says nothing about the delay
+    assert applier.behind_s() == 2.5
+    forwarded["r3"] = 49.9
+    applier.apply([["a", 3, "r3"]])
+    assert abs(applier.behind_s() - 0.1) < 1e-9
