@@ -100,7 +100,11 @@ def _envoy_render(args: argparse.Namespace) -> int:
             return 1
         overrides.setdefault(pool, []).append(endpoint)
     options = RenderOptions(
-        listen=args.listen, extproc=args.extproc, admin=args.envoy_admin, pool_endpoints=overrides
+        listen=args.listen,
+        extproc=args.extproc,
+        accounting=args.accounting or None,
+        admin=args.envoy_admin,
+        pool_endpoints=overrides,
     )
     text = render_bootstrap(policy, options)
     if args.output:
@@ -142,6 +146,10 @@ def build_parser() -> argparse.ArgumentParser:
     render.add_argument("--policy", default=DEFAULT_POLICY)
     render.add_argument("--listen", default="127.0.0.1:8080")
     render.add_argument("--extproc", default="127.0.0.1:50051")
+    render.add_argument(
+        "--accounting", default="", metavar="HOST:PORT",
+        help="the accounting filter's own cluster (`serve --accounting-grpc`); default: --extproc",
+    )  # fmt: skip
     render.add_argument("--envoy-admin", default="127.0.0.1:9901")
     render.add_argument(
         "--pool-endpoint", action="append", help="POOL=HOST:PORT, replaces the policy's endpoints"

@@ -94,6 +94,7 @@ from extproc.service.roles import ACCOUNTING_ROLE, ADMISSION_METADATA, ROLE_META
 from extproc.types import OWNED_HEADERS, QUEUE_MS_HEADER, UPSTREAM_HEADER
 
 EXTPROC_CLUSTER = "extproc"
+ACCOUNTING_CLUSTER = "extproc_accounting"
 _HTTP2_OPTIONS_KEY = "envoy.extensions.upstreams.http.v3.HttpProtocolOptions"
 _GENEROUS = 100_000
 
@@ -102,6 +103,9 @@ _GENEROUS = 100_000
 class RenderOptions:
     listen: str = "127.0.0.1:8080"
     extproc: str = "127.0.0.1:50051"
+    accounting: str | None = None
+    """The accounting filter's own endpoints (`extproc serve --accounting-grpc`: a child
+    process, so response chunks never queue before admission messages); None: `extproc`."""
     admin: str = "127.0.0.1:9901"
     pool_endpoints: dict[str, list[str]] | None = None
     """Overrides a pool's endpoints (e.g. docker-compose host names)."""
@@ -274,11 +278,11 @@ def _admission_filter(policy: Policy) -> HttpFilter:
     return HttpFilter(name=ADMISSION_FILTER, typed_config=AnyProto.pack(config), disabled=True)
 
 
-def _accounting_filter() -> HttpFilter:
+def _accounting_filter(cluster: str) -> HttpFilter:
     """Observability mode: Envoy streams the response to us and never waits for a reply."""
     config = ExternalProcessor(
         grpc_service=GrpcService(
-            envoy_grpc=GrpcServiceEnvoyGrpc(cluster_name=EXTPROC_CLUSTER),
+            envoy_grpc=GrpcServiceEnvoyGrpc(cluster_name=cluster),
             initial_metadata=[HeaderValue(key=ROLE_METADATA, value=ACCOUNTING_ROLE)],
         ),
         failure_mode_allow=True,
@@ -349,7 +353,13 @@ def build_bootstrap(policy: Policy, options: RenderOptions) -> Bootstrap:
         delayed_close_timeout=_seconds(5.0),
         http_filters=[
             *(
-                [_header_mutations(), _admission_filter(policy), _accounting_filter()]
+                [
+                    _header_mutations(),
+                    _admission_filter(policy),
+                    _accounting_filter(
+                        ACCOUNTING_CLUSTER if options.accounting else EXTPROC_CLUSTER
+                    ),
+                ]
                 if options.extproc_filters
                 else []
             ),
@@ -382,6 +392,8 @@ def build_bootstrap(policy: Policy, options: RenderOptions) -> Bootstrap:
     pool_endpoints = options.pool_endpoints or {}
     # Several ext_proc endpoints (workers on distinct ports) are comma-separated.
     clusters = [_cluster(EXTPROC_CLUSTER, options.extproc.split(","), http2=True)]
+    if options.accounting:
+        clusters.append(_cluster(ACCOUNTING_CLUSTER, options.accounting.split(","), http2=True))
     for name, pool in policy.pools.items():
         endpoints = pool_endpoints.get(name, pool.endpoints)
         clusters.append(_cluster(pool_cluster(name), endpoints, http2=False))

@@ -35,6 +35,10 @@ def add_arguments(parser: argparse.ArgumentParser, default_policy: str) -> None:
     parser.add_argument("--admin", default="127.0.0.1:9090", help="ext_proc admin address")
     parser.add_argument("--grpc", default="127.0.0.1:50051", help="ext_proc gRPC address")
     parser.add_argument("--envoy-admin", default="127.0.0.1:9901")
+    parser.add_argument(
+        "--accounting-grpc", metavar="ADDRESS",
+        help="account responses in a child process on this address (serve --accounting-grpc)",
+    )  # fmt: skip
     parser.add_argument("--profile", default="a100-llama3-8b", help="emulated engine profile")
     parser.add_argument(
         "--engine",
@@ -98,6 +102,8 @@ class StackConfig:
     workers: int = 1
     worker_ports: str = "distinct"
     allow_unshared_workers: bool = False
+    accounting: str | None = None
+    """The service's accounting process address (`serve --accounting-grpc`), if any."""
 
     @classmethod
     def from_args(cls, args: argparse.Namespace, workdir: Path) -> StackConfig:
@@ -110,6 +116,7 @@ class StackConfig:
             workers=getattr(args, "workers", 1),
             worker_ports=getattr(args, "worker_ports", "distinct"),
             allow_unshared_workers=getattr(args, "allow_unshared_workers", False),
+            accounting=getattr(args, "accounting_grpc", None),
         )  # fmt: skip
 
 
@@ -133,6 +140,7 @@ def build_stack(config: StackConfig, policy: Policy) -> Stack:
         "--drain-grace", str(config.drain_grace),
         "--workers", str(config.workers), "--worker-ports", config.worker_ports,
         *(["--allow-unshared-workers"] if config.allow_unshared_workers else []),
+        *(["--accounting-grpc", config.accounting] if config.accounting else []),
     ]  # fmt: skip
     stack.children.append(
         extproc_child(
@@ -150,6 +158,7 @@ def build_stack(config: StackConfig, policy: Policy) -> Stack:
     options = RenderOptions(
         listen=config.listen,
         extproc=",".join(worker_addresses(config.grpc, config.workers, config.worker_ports)),
+        accounting=config.accounting,
         admin=config.envoy_admin,
     )
     stack.children.append(

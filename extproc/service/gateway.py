@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+from collections.abc import Callable
 
 from extproc.admission import AdmissionController, Grant
 from extproc.errors import overloaded
@@ -95,6 +96,17 @@ class Gateway:
         await self._lag_monitor.stop()
         await self.engine_poller.stop()
         await self._admission.close()
+
+    def forwarded_at(self, request_id: str) -> float | None:
+        """When this process forwarded the request (its admission stream ended), if it did:
+        how late an accounting process's attach comes is measured from there."""
+        request = self._registry.get(request_id)
+        return request.admission_ended_at if request is not None else None
+
+    def accounting_runs_behind_by(self, behind: Callable[[], float]) -> None:
+        """The accounting streams run in a child process that reports how far behind it is:
+        a forwarded request's capacity waits that much longer for its attach."""
+        self._settlement.accounting_behind = behind
 
     def track_engines(self, policy: Policy) -> None:
         ledger = self.ledger

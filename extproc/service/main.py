@@ -34,6 +34,7 @@ from extproc.metrics import Metrics
 from extproc.policy import Policy, PolicyError, compile_policy, parse_policy
 from extproc.reload import PolicyReloader
 from extproc.scheduler import retry_after
+from extproc.service.accounting_process import AccountingChild
 from extproc.service.composition import compose_core, compose_reloader
 from extproc.service.engine_watch import EngineWatcher
 from extproc.service.gateway import Gateway
@@ -86,6 +87,9 @@ class ServeOptions:
     allow_remote_reload: bool = False
     wait_for_policy: bool = False
     """Start with an invalid or missing policy file: stay unready and wait for a good one."""
+    accounting_grpc: str = ""
+    """Serve the accounting filter from a child process on this address (its own Envoy
+    cluster: `extproc envoy render --accounting`); empty: on the gRPC address, in process."""
 
     @classmethod
     def from_env(cls, policy: str, grpc: str, admin: str) -> ServeOptions:
@@ -98,6 +102,7 @@ class ServeOptions:
             reload_interval=_env_float("EXTPROC_RELOAD_INTERVAL", 1.0),
             allow_remote_reload=_env_bool("EXTPROC_ADMIN_REMOTE_RELOAD"),
             wait_for_policy=_env_bool("EXTPROC_WAIT_FOR_POLICY"),
+            accounting_grpc=os.environ.get("EXTPROC_ACCOUNTING_GRPC", "").strip(),
         )
 
 
@@ -126,6 +131,11 @@ def add_arguments(parser: argparse.ArgumentParser, default_policy: str) -> None:
         "--wait-for-policy", action="store_true", default=env.wait_for_policy,
         help="with a bad or missing policy file, stay up (unready) until it is fixed",
     )  # fmt: skip
+    parser.add_argument(
+        "--accounting-grpc", default=env.accounting_grpc, metavar="ADDRESS",
+        help="serve the accounting filter from a child process on this address, so response "
+        "chunks never delay admission (default: on --grpc, in this process)",
+    )  # fmt: skip
 
 
 def options_from_args(args: argparse.Namespace) -> ServeOptions:
@@ -139,6 +149,7 @@ def options_from_args(args: argparse.Namespace) -> ServeOptions:
         reload_interval=getattr(args, "reload_interval", env.reload_interval),
         allow_remote_reload=getattr(args, "admin_remote_reload", env.allow_remote_reload),
         wait_for_policy=getattr(args, "wait_for_policy", env.wait_for_policy),
+        accounting_grpc=getattr(args, "accounting_grpc", env.accounting_grpc),
     )
 
 
@@ -185,6 +196,8 @@ class Service:
         self._sighup_reloads: set[asyncio.Task[object]] = set()
         self.server: grpc.aio.Server | None = None
         self.grpc_port = 0
+        self.accounting: AccountingChild | None = None
+        self.accounting_port = 0
         self.admin_port = 0
         self.reloader: PolicyReloader | None = None
         self.admin = AdminServer(
@@ -277,6 +290,12 @@ class Service:
         self.admin.gateway = gateway
         self.admin.reloader = self.reloader
         self.engine_watch.start()
+        if options.accounting_grpc:
+            self.accounting = AccountingChild(
+                gateway, options.accounting_grpc, options.log_format, gateway.forwarded_at
+            )
+            self.accounting_port = await self.accounting.start()
+            gateway.accounting_runs_behind_by(self.accounting.behind_s)
         self.server, self.grpc_port = await start_grpc_server(
             gateway, options.grpc, gateway.overload
         )
@@ -290,6 +309,7 @@ class Service:
             extra={
                 "fields": {
                     "grpc": f"{host_grpc}:{self.grpc_port}",
+                    "accounting_grpc": self.accounting_port or None,
                     "admin": f"http://{host_admin}:{self.admin_port}",
                     "policy": options.policy,
                     "tenants": len(policy.tenants),
@@ -345,6 +365,17 @@ class Service:
                 inflight = gateway.scheduler.inflight()
         with contextlib.suppress(asyncio.CancelledError):
             await stopping
+        # The accounting process's streams are the in-flight responses: let them end too.
+        accounting = self.accounting
+        while (
+            accounting is not None
+            and accounting.open_streams
+            and not forced
+            and loop.time() - began < grace
+        ):
+            await asyncio.sleep(_DRAIN_POLL_S)
+            forced = self.force_requested.is_set()
+            inflight = gateway.scheduler.inflight()
         if self.drained:
             self.metrics.drained_requests.inc(self.drained)
         # Responses still running when the grace ran out were cut by the server's stop.
@@ -362,6 +393,8 @@ class Service:
             await self.reloader.stop()
         if self.server is not None and not self.admin.draining:
             await self.server.stop(0)
+        if self.accounting is not None:
+            await self.accounting.stop()
         if self.gateway is not None:
             await self.gateway.close()
         await self.admin.stop()

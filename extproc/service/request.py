@@ -38,6 +38,9 @@ ATTACH_GRACE_S = 1.0
 before its capacity is freed without one (that filter fails open). Envoy opens that stream
 when the request is forwarded, before the engine answers, so it is late only by the event
 loop's lag; a shared-state gate adds its own hand-off grace on top (extproc.state.gate)."""
+ATTACH_WAIT_MAX_S = 30.0
+"""The longest a forwarded request's capacity waits for an accounting side that reports it is
+behind (`Settlement.accounting_behind`, extproc.service.accounting_process)."""
 REJECTIONS_KEPT = 50
 """How many of the last answers the service gave itself `Settlement.rejections` keeps."""
 _MESSAGE_CHARS = 200
@@ -136,6 +139,10 @@ class Settlement:
         """Requests admitted so far (the reconciler reads engines between admissions)."""
         self.rejections: deque[RejectionRecord] = deque(maxlen=REJECTIONS_KEPT)
         """The last answers the service gave itself, newest first."""
+        self.accounting_behind: Callable[[], float] = lambda: 0.0
+        """How far behind an accounting process is (s): its attach may come that much later
+        than the grace, and freeing the capacity before would admit work the engines still
+        run (set by extproc.service.main when the accounting runs in a child process)."""
 
     def count_admission(self) -> None:
         self.admissions += 1
@@ -168,6 +175,18 @@ class Settlement:
     def _unclaimed_after_grace(self, request: Request) -> None:
         if request.accounting_attached or request.released:
             return  # settle() releases and records it
+        behind = self.accounting_behind()
+        ended = request.admission_ended_at
+        if behind > 0 and ended is not None:
+            # Attaches arrive `behind` late now: wait that long past the grace (re-checked).
+            wait_until = ended + min(behind + ATTACH_GRACE_S, ATTACH_WAIT_MAX_S)
+            if time.monotonic() < wait_until:
+                asyncio.get_running_loop().call_later(
+                    min(wait_until - time.monotonic(), ATTACH_GRACE_S),
+                    self._unclaimed_after_grace,
+                    request,
+                )
+                return
         self._hand_off(request)
         self.record(request)
 

@@ -14,7 +14,7 @@ from envoy.service.ext_proc.v3.external_processor_pb2 import (
 
 from extproc.service.accounting import AccountingProcessor
 from extproc.service.overload import OverloadDetector
-from extproc.service.ports import StreamPorts
+from extproc.service.ports import AccountingPort, StreamPorts
 from extproc.service.processor import AdmissionProcessor
 from extproc.service.roles import ACCOUNTING_ROLE, ROLE_METADATA
 
@@ -77,28 +77,62 @@ class ExternalProcessorService(ext_proc_grpc.ExternalProcessorServicer):  # type
             processor.finish()
 
     async def _account(self, request_iterator: AsyncIterator[ProcessingRequest]) -> None:
-        """Observability-mode stream: Envoy does not wait for replies, so we send none."""
-        processor = AccountingProcessor(self.ports)
-        try:
-            async for request in request_iterator:
-                if request.HasField("response_body"):
-                    processor.on_response_body(request.response_body)
-                elif request.HasField("response_headers"):
-                    processor.on_response_headers(request.response_headers)
-                elif request.HasField("request_headers"):
-                    processor.on_request_headers(request.request_headers)
-        except Exception:
-            log.exception("accounting stream failed")
-            raise
-        finally:
-            processor.finish()
+        await account_stream(self.ports, request_iterator)
+
+
+async def account_stream(
+    port: AccountingPort, request_iterator: AsyncIterator[ProcessingRequest]
+) -> None:
+    """Observability-mode stream: Envoy does not wait for replies, so we send none."""
+    processor = AccountingProcessor(port)
+    try:
+        async for request in request_iterator:
+            if request.HasField("response_body"):
+                processor.on_response_body(request.response_body)
+            elif request.HasField("response_headers"):
+                processor.on_response_headers(request.response_headers)
+            elif request.HasField("request_headers"):
+                processor.on_request_headers(request.request_headers)
+    except Exception:
+        log.exception("accounting stream failed")
+        raise
+    finally:
+        processor.finish()
+
+
+class AccountingService(ext_proc_grpc.ExternalProcessorServicer):  # type: ignore[misc]
+    """The accounting process's servicer (extproc.service.accounting_process): every stream
+    is an accounting stream, whatever its role metadata says."""
+
+    def __init__(self, port: AccountingPort) -> None:
+        self.port = port
+
+    async def Process(
+        self,
+        request_iterator: AsyncIterator[ProcessingRequest],
+        context: grpc.aio.ServicerContext[ProcessingRequest, ProcessingResponse],
+    ) -> None:
+        # A coroutine handler (not a generator): grpc.aio ends the stream when it returns.
+        del context
+        await account_stream(self.port, request_iterator)
 
 
 async def start_grpc_server(
     ports: StreamPorts, address: str, overload: OverloadDetector | None = None
 ) -> tuple[grpc.aio.Server, int]:
+    return await _serve(ExternalProcessorService(ports, overload), address)
+
+
+async def start_accounting_server(
+    port: AccountingPort, address: str
+) -> tuple[grpc.aio.Server, int]:
+    return await _serve(AccountingService(port), address)
+
+
+async def _serve(
+    servicer: ext_proc_grpc.ExternalProcessorServicer, address: str
+) -> tuple[grpc.aio.Server, int]:
     server = grpc.aio.server(options=GRPC_SERVER_OPTIONS)
-    servicer = ExternalProcessorService(ports, overload)
     ext_proc_grpc.add_ExternalProcessorServicer_to_server(servicer, server)
     port = server.add_insecure_port(address)
     if port == 0:

@@ -9,7 +9,9 @@ sends 1 request/s, a flooder 32 requests/s x 64 tokens ("room": the engine keeps
 `include_usage`). Fronts: Envoy straight to the engine (FIFO in the engine), Envoy with the
 do-nothing ext_proc (`noop`), kvwarden 0.1.6 (per-tenant token bucket 600/min, burst 10,
 tenants from `X-Tenant-ID`; its own venv, scripts/setup-kvwarden.sh), and Envoy with our
-service (the default policy: DRR, headroom, adaptive soft limit, overload shedding).
+service (the default policy: DRR, headroom, adaptive soft limit, overload shedding), its
+accounting streams in their own process (`serve --accounting-grpc`; the `-inproc` arms keep
+them on the admission process's event loop, the layout before, side by side).
 
 Per arm: the quiet tenant's time to the first streamed chunk (P50/P99, their ratio to the
 quiet tenant alone straight to the engine: "solo"), its failed requests, the flooder's answers
@@ -96,6 +98,9 @@ class Arm:
     phases: bool = False
     include_usage: bool = False
     """The clients ask for usage themselves: the service then leaves the body alone."""
+    accounting_process: bool = True
+    """The service's accounting streams in their own process (`serve --accounting-grpc`);
+    False: on the admission process's event loop (`-inproc` arms, the layout before)."""
 
 
 ARMS = (
@@ -104,12 +109,15 @@ ARMS = (
     Arm("alone-kvwarden", "kvwarden", "alone"),
     Arm("alone-service", "service", "alone", phases=True),
     Arm("alone-service-usage", "service", "alone", phases=True, include_usage=True),
+    Arm("alone-inproc", "service", "alone", phases=True, accounting_process=False),
     Arm("room-fifo", "straight", "room"),
     Arm("room-full", "service", "room"),
+    Arm("room-inproc", "service", "room", accounting_process=False),
     Arm("over-fifo", "straight", "over"),
     Arm("over-noop", "noop", "over"),
     Arm("over-kvwarden", "kvwarden", "over"),
     Arm("over-full", "service", "over"),
+    Arm("over-inproc", "service", "over", accounting_process=False),
 )
 
 
@@ -171,7 +179,11 @@ def front(arm: Arm, workdir: Path, endpoint: str, kvwarden_venv: Path) -> Iterat
         return
     edit = phases.timed_bootstrap  # every Envoy arm logs; the alone arms' phases are the table
     with gateway_stack(
-        workdir / arm.name, policy_text(endpoint), FRONTS[arm.front], bootstrap_edit=edit
+        workdir / arm.name,
+        policy_text(endpoint),
+        FRONTS[arm.front],
+        bootstrap_edit=edit,
+        accounting_process=arm.accounting_process,
     ) as gateway:
         yield gateway
 

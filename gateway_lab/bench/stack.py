@@ -119,10 +119,13 @@ def gateway_stack(
     arm: str,
     extproc_args: Sequence[str] = (),
     bootstrap_edit: Callable[[str], str] | None = None,
+    accounting_process: bool = False,
 ) -> Iterator[Gateway]:
     """Envoy on fresh loopback ports, straight to the policy's endpoints (`straight`) or
     through `extproc serve` (`extproc`) or the do-nothing floor (`noop`). `bootstrap_edit`
-    rewrites Envoy's rendered bootstrap (JSON text, access log on) before it starts."""
+    rewrites Envoy's rendered bootstrap (JSON text, access log on) before it starts.
+    `accounting_process`: the service accounts in a child process on a port of its own
+    (`serve --accounting-grpc`, Envoy's accounting cluster)."""
     if arm not in ARMS:
         raise ValueError(f"arm must be one of {ARMS}")
     workdir.mkdir(parents=True, exist_ok=True)
@@ -133,10 +136,12 @@ def gateway_stack(
     admin, envoy_admin = f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"
     stack = Stack()
     checks: list[Check] = []
+    accounting = f"127.0.0.1:{free_port()}" if accounting_process and arm == "extproc" else None
     if arm == "extproc":
+        serve_args = [*extproc_args, *(["--accounting-grpc", accounting] if accounting else [])]
         stack.children.append(
             extproc_child(
-                workdir, str(policy_path), grpc_address, admin, extproc_args, log_level="WARNING"
+                workdir, str(policy_path), grpc_address, admin, serve_args, log_level="WARNING"
             )
         )
         checks.append((functools.partial(http_ok, f"http://{admin}/readyz"), "extproc"))
@@ -153,6 +158,7 @@ def gateway_stack(
     options = RenderOptions(
         listen=listen,
         extproc=grpc_address,
+        accounting=accounting,
         admin=envoy_admin,
         extproc_filters=arm != "straight",
         access_log=bootstrap_edit is not None,

@@ -29,9 +29,13 @@ class RunningGateway:
 
 
 def loopback_config(
-    workdir: Path, make_policy: Callable[[str, str], str], profile: str = "fast"
+    workdir: Path,
+    make_policy: Callable[[str, str], str],
+    profile: str = "fast",
+    accounting_process: bool = False,
 ) -> tuple[Policy, StackConfig]:
-    """The policy (written to `workdir`) and a stack configuration on free loopback ports."""
+    """The policy (written to `workdir`) and a stack configuration on free loopback ports;
+    `accounting_process`: the service accounts in a child process (`--accounting-grpc`)."""
     short, long_ = f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"
     policy_path = workdir / "policy.yaml"
     policy_path.write_text(make_policy(short, long_))
@@ -44,16 +48,20 @@ def loopback_config(
         admin=f"127.0.0.1:{free_port()}",
         envoy_admin=f"127.0.0.1:{free_port()}",
         profile=profile,
+        accounting=f"127.0.0.1:{free_port()}" if accounting_process else None,
     )
     return policy, config
 
 
 @contextlib.contextmanager
 def running_gateway(
-    workdir: Path, make_policy: Callable[[str, str], str], profile: str = "fast"
+    workdir: Path,
+    make_policy: Callable[[str, str], str],
+    profile: str = "fast",
+    accounting_process: bool = False,
 ) -> Iterator[RunningGateway]:
     """`make_policy(short_endpoint, long_endpoint)` returns the policy text to run with."""
-    policy, config = loopback_config(workdir, make_policy, profile)
+    policy, config = loopback_config(workdir, make_policy, profile, accounting_process)
     stack = build_stack(config, policy)
     ACTIVE_STACKS.append(stack)
     try:

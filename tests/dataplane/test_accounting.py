@@ -23,12 +23,19 @@ pytestmark = pytest.mark.dataplane
 LIMITS = "{requests_per_minute: 6000, tokens_per_minute: 10000000, max_queued: 500}"
 
 
-@pytest.fixture(scope="module")
-def gateway(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningGateway]:
+@pytest.fixture(scope="module", params=["in-process", "accounting-process"])
+def gateway(
+    tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest
+) -> Iterator[RunningGateway]:
+    """Both layouts: the accounting streams on the admission process, or in its child
+    (`serve --accounting-grpc`, Envoy's own accounting cluster): the same exact counts."""
+
     def make(short: str, long_: str) -> str:
         return policy_yaml(short, long_, acme_limits=LIMITS, globex_limits=LIMITS, short_inflight=8)
 
-    with running_gateway(tmp_path_factory.mktemp("accounting"), make) as running:
+    child = request.param == "accounting-process"
+    workdir = tmp_path_factory.mktemp("accounting")
+    with running_gateway(workdir, make, accounting_process=child) as running:
         yield running
 
 

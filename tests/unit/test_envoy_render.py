@@ -193,3 +193,27 @@ def test_explicit_max_message_timeout_is_rendered() -> None:
     assert admission["typedConfig"]["maxMessageTimeout"] == "600s"
     assert admission["typedConfig"]["grpcService"]["timeout"] == "600s"
     assert manager_of(bootstrap)["streamIdleTimeout"] == "630s"
+
+
+def cluster_of(http_filter: dict[str, Any]) -> str:
+    return str(http_filter["typedConfig"]["grpcService"]["envoyGrpc"]["clusterName"])
+
+
+def test_accounting_gets_its_own_cluster_when_asked() -> None:
+    """`--accounting`: the accounting filter names a cluster of its own (the service's child
+    process, `serve --accounting-grpc`); admission stays on the ext_proc cluster."""
+    policy = policy_from_text(policy_yaml())
+    for accounting, expected in ((None, "extproc"), ("127.0.0.1:50061", "extproc_accounting")):
+        bootstrap = json.loads(render_bootstrap(policy, RenderOptions(accounting=accounting)))
+        manager = bootstrap["staticResources"]["listeners"][0]["filterChains"][0]["filters"][0][
+            "typedConfig"
+        ]
+        _, admission, accounting_filter, *_ = manager["httpFilters"]
+        assert cluster_of(admission) == "extproc"
+        assert cluster_of(accounting_filter) == expected
+        clusters = {c["name"]: c for c in bootstrap["staticResources"]["clusters"]}
+        assert ("extproc_accounting" in clusters) == (accounting is not None)
+        if accounting is not None:
+            own = clusters["extproc_accounting"]
+            assert own["circuitBreakers"]["thresholds"][0]["maxRequests"] >= 100_000
+            assert "typedExtensionProtocolOptions" in own  # HTTP/2, like every gRPC cluster
