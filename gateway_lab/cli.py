@@ -34,6 +34,10 @@ BENCH_SCENARIOS = {
         "embedding_flood",
         "2,000-input embedding batches beside chat on one pool: chat TTFT, token shares",
     ),
+    "vllm-priority": (
+        "vllm_priority",
+        "engine priority on real vLLM (CPU): a quiet tenant beside a flooder, priority vs fcfs",
+    ),
     "scaleout": ("scaleout", "admissions/s and latency with 1, 2, 4 processes, memory vs Redis"),
     "scheduler-scaling": ("sched_scaling", "scheduler CPU per admission vs queue depth"),
     "locality": (

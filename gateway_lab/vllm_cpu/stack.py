@@ -276,17 +276,22 @@ def vllm_children(
     served_model_names: Sequence[str] = SERVED_MODEL_NAMES,
     accept_any_model: bool = True,
     progress: Progress = _quiet,
+    scheduling_policy: str | None = None,
 ) -> list[Child]:
     """One :class:`VllmChild` per pool endpoint of ``policy`` (not started).
 
     ``python`` is the interpreter with vLLM installed. ``model`` defaults to the tiny model,
     built now if needed (see :func:`build_model`). Logs go to ``workdir/vllm-POOL-I.log``.
+    ``scheduling_policy`` replaces the presets' ``--scheduling-policy`` (benchmarks compare
+    "fcfs" with the shipped "priority").
     """
     if model is None:
         model = build_model(python, progress=progress)
     children: list[Child] = []
     for spec in engine_specs(policy):
         preset = spec.preset
+        if scheduling_policy is not None:
+            preset = dataclasses.replace(preset, scheduling_policy=scheduling_policy)
         if preset.max_model_len < policy.pools[spec.pool].max_total_tokens:
             progress(
                 f"{spec.name}: context capped at {preset.max_model_len} tokens (the tiny model's "
