@@ -119,9 +119,12 @@ def gateway_stack(
     arm: str,
     extproc_args: Sequence[str] = (),
     bootstrap_edit: Callable[[str], str] | None = None,
+    noop_args: Sequence[str] = (),
+    extproc_env: Mapping[str, str] | None = None,
 ) -> Iterator[Gateway]:
     """Envoy on fresh loopback ports, straight to the policy's endpoints (`straight`) or
-    through `extproc serve` (`extproc`) or the do-nothing floor (`noop`). `bootstrap_edit`
+    through `extproc serve` (`extproc`, in an environment of `extproc_env` if given) or the
+    do-nothing floor (`noop`, with `noop_args`: gateway_lab.bench.noop). `bootstrap_edit`
     rewrites Envoy's rendered bootstrap (JSON text, access log on) before it starts."""
     if arm not in ARMS:
         raise ValueError(f"arm must be one of {ARMS}")
@@ -134,17 +137,24 @@ def gateway_stack(
     stack = Stack()
     checks: list[Check] = []
     if arm == "extproc":
-        stack.children.append(
-            extproc_child(
-                workdir, str(policy_path), grpc_address, admin, extproc_args, log_level="WARNING"
-            )
+        child = extproc_child(
+            workdir, str(policy_path), grpc_address, admin, extproc_args, log_level="WARNING"
         )
+        child.env = None if extproc_env is None else dict(extproc_env)
+        stack.children.append(child)
         checks.append((functools.partial(http_ok, f"http://{admin}/readyz"), "extproc"))
     elif arm == "noop":
         stack.children.append(
             Child(
                 name="extproc",
-                command=[sys.executable, "-m", "gateway_lab.bench.noop", "--grpc", grpc_address],
+                command=[
+                    sys.executable,
+                    "-m",
+                    "gateway_lab.bench.noop",
+                    "--grpc",
+                    grpc_address,
+                    *noop_args,
+                ],
                 log_path=workdir / "noop.log",
             )
         )

@@ -1,0 +1,311 @@
+"""Benchmark: what the gateway adds at low load, and where in the request it goes.
+
+One emulated A100 / Llama-3.1-8B engine, pinned to a core of its own where the machine has
+two (Envoy, the front and this load generator on the others). One tenant sends 1 request/s
+(Poisson), streamed `/v1/completions` with a one-line prompt and no `stream_options`, through:
+
+* `straight`: Envoy straight to the engine;
+* `noop`: Envoy with the do-nothing ext_proc (gateway_lab.bench.noop), the gRPC-in-Python floor;
+* `mimic`: the same server answering the way our service does (`noop --mimic`: gateway headers,
+  the `include_usage` body rewrite, the route-cache clear, dynamic metadata, the stream ended
+  at the forward) without deciding anything: what the shape of our replies costs Envoy;
+* `service`: our service with the default policy;
+* `before` (with `--before-src DIR`): our service from another source tree (PYTHONPATH=DIR),
+  to compare a change with what it replaces in the same run.
+
+The arms take turns in `--rounds` rounds (a fresh stack per turn, the order rotated each
+round), so drifts of a shared machine hit every arm alike. Per arm: the time to the first
+streamed chunk at the client (P50/P99 and what each adds to `straight`), the front process's
+CPU, and Envoy's own per-phase timestamps (gateway_lab.bench.phases).
+
+`extproc bench low-load [--rounds 3] [--measure 20] [--before-src DIR]`
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import random
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import orjson
+
+from extproc.policy import hash_key
+from gateway_lab.bench import phases, scenario
+from gateway_lab.bench.cores import CoreSplit, descendants, pin, split_cores
+from gateway_lab.bench.figures import pyplot, save_figure
+from gateway_lab.bench.loadgen import Load, open_loop
+from gateway_lab.bench.monitor import log, wait_engines_idle
+from gateway_lab.bench.records import Meter, Record, Spec, percentile
+from gateway_lab.bench.stack import PROFILE, Gateway, cpu_seconds, engine_set, gateway_stack
+
+NAME = "low-load"
+DEFAULT_OUT = Path("results/low-load")
+KEY = "bench-quiet-key"
+TENANT = "quiet"
+WARMUP_TENANT = "warmup"
+ARMS = ("straight", "noop", "mimic", "service")
+TARGET_ADDED_P50_MS = 1.0
+TARGET_ADDED_P99_MS = 3.0
+
+
+@dataclass(frozen=True)
+class Settings:
+    rounds: int = 3
+    measure_s: float = 20.0
+    warmup_s: float = 3.0
+    rate: float = 1.0
+    output_tokens: int = 64
+    prompt_words: int = 12
+
+
+def policy_text(endpoint: str) -> str:
+    """The default policy (DRR, headroom, adaptive soft limit, overload shedding)."""
+    return f"""\
+version: 1
+tiers: [standard]
+tenants:
+  {TENANT}: {{tier: standard, api_keys: ["{hash_key(KEY)}"]}}
+pools:
+  {scenario.POOL}: {{max_total_tokens: 131072, max_inflight: 512,
+          max_inflight_tokens: 1000000000, endpoints: ["{endpoint}"]}}
+estimation: {{mode: flat, default_bytes_per_token: 4.0}}
+gateway: {{default_max_tokens: 256}}
+"""
+
+
+@dataclass(frozen=True, slots=True)
+class CompletionSpec(Spec):
+    def body(self) -> bytes:
+        return orjson.dumps(
+            {"model": "bench", "prompt": self.prompt, "max_tokens": self.max_tokens,
+             "ignore_eos": True, "stream": True}
+        )  # fmt: skip
+
+
+def maker(label: str, settings: Settings, seed: int) -> Any:
+    """Specs of one-line prompts; `label` goes in X-Bench-Tenant (Envoy logs it)."""
+    rng = random.Random(seed)
+    words = ("tell", "me", "a", "story", "about", "the", "sea", "and", "a", "ship", "at", "dawn")
+    prompts = [
+        " ".join(rng.choice(words) for _ in range(settings.prompt_words)) + "." for _ in range(16)
+    ]
+    headers = {"x-bench-tenant": label}
+
+    def make(index: int) -> Spec:
+        return CompletionSpec(
+            TENANT, KEY, prompts[index % 16], settings.prompt_words + 2,
+            settings.output_tokens, headers,
+        )  # fmt: skip
+
+    return make
+
+
+@contextlib.contextmanager
+def front(arm: str, workdir: Path, endpoint: str, before_src: Path | None) -> Iterator[Gateway]:
+    kind = {"straight": "straight", "noop": "noop", "mimic": "noop"}.get(arm, "extproc")
+    env = None
+    if arm == "before":
+        assert before_src is not None
+        env = {**os.environ, "PYTHONPATH": str(before_src)}
+    with gateway_stack(
+        workdir, policy_text(endpoint), kind, bootstrap_edit=phases.timed_bootstrap,
+        noop_args=("--mimic", scenario.POOL) if arm == "mimic" else (), extproc_env=env,
+    ) as gateway:  # fmt: skip
+        yield gateway
+
+
+def front_cpu(gateway: Gateway) -> float:
+    """CPU seconds of the ext_proc process (and its workers); 0 without one."""
+    pid = gateway.pid_of("extproc")
+    if pid is None:
+        return 0.0
+    total = 0.0
+    for process in (pid, *descendants(pid)):
+        with contextlib.suppress(FileNotFoundError, ProcessLookupError, IndexError):
+            total += cpu_seconds(process)
+    return total
+
+
+async def drive(gateway: Gateway, settings: Settings, seed: int) -> tuple[list[Record], float]:
+    """Warm-up requests, then the measured ones; their records and the front's CPU seconds."""
+    url = gateway.base_url + "/v1/completions"
+    async with Load(url, Meter(bin_s=1.0), request_timeout_s=60.0) as load:
+        warm = maker(WARMUP_TENANT, settings, seed)
+        await open_loop(load, warm, settings.rate * 4, settings.warmup_s, seed=seed, grace_s=5.0)
+        warmed = len(load.records)
+        cpu_before = front_cpu(gateway)
+        start = load.now()
+        quiet = maker(TENANT, settings, seed + 1)
+        until = start + settings.measure_s
+        await open_loop(load, quiet, settings.rate, until, seed=seed + 2, start=start, grace_s=10.0)
+        cpu = front_cpu(gateway) - cpu_before
+        return load.records[warmed:], cpu
+
+
+def run_turn(
+    arm: str, round_index: int, endpoint: str, workdir: Path, settings: Settings,
+    split: CoreSplit | None, before_src: Path | None,
+) -> dict[str, Any]:  # fmt: skip
+    scenario.run_async(wait_engines_idle([endpoint]))
+    where = workdir / f"{arm}-{round_index}"
+    with front(arm, where, endpoint, before_src) as gateway:
+        if split is not None:
+            for child in gateway.stack.children:
+                if child.process is not None:
+                    pin(child.process.pid, split.front)
+        seed = 1000 * round_index + 7
+        records, cpu = scenario.run_async(drive(gateway, settings, seed))
+    rows = [
+        r for r in phases.read_phase_log(where / "envoy.log") if r.get("tenant_header") == TENANT
+    ]
+    ttft = [r.ttft * 1000.0 for r in records if r.status == 200 and r.ttft is not None]
+    failed = sum(1 for r in records if r.status != 200)
+    log(NAME, f"round {round_index + 1} {arm}: {len(ttft)} answered, p50 "
+              f"{percentile(ttft, 50):.1f} ms, failed {failed}, front CPU {cpu:.2f} s")  # fmt: skip
+    return {"ttft_ms": ttft, "failed": failed, "cpu_s": cpu, "rows": rows}
+
+
+def merge(turns: list[dict[str, Any]], measure_s: float) -> dict[str, Any]:
+    ttft = [t for turn in turns for t in turn["ttft_ms"]]
+    rows = [row for turn in turns for row in turn["rows"]]
+    cpu = sum(turn["cpu_s"] for turn in turns)
+    answered = len(ttft)
+    return {
+        "requests": answered,
+        "failed": sum(turn["failed"] for turn in turns),
+        "ttft_p50_ms": percentile(ttft, 50),
+        "ttft_p99_ms": percentile(ttft, 99),
+        "front_cores": cpu / (measure_s * len(turns)),
+        "front_cpu_us_per_request": cpu / answered * 1e6 if answered else float("nan"),
+        "phases": phases.breakdown(rows),
+        "ttft_ms": ttft,
+    }
+
+
+def compare(by_arm: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    straight = by_arm.get("straight")
+    out: dict[str, Any] = {}
+    for arm, result in by_arm.items():
+        added_p50 = result["ttft_p50_ms"] - straight["ttft_p50_ms"] if straight else float("nan")
+        added_p99 = result["ttft_p99_ms"] - straight["ttft_p99_ms"] if straight else float("nan")
+        out[arm] = {"added_p50_ms": added_p50, "added_p99_ms": added_p99}
+    return out
+
+
+def print_table(by_arm: dict[str, dict[str, Any]], added: dict[str, Any]) -> None:
+    print(f"\n{'arm':10} {'answered':>8} {'TTFT p50':>9} {'p99':>8} {'+p50':>7} {'+p99':>7} "
+          f"{'front cores':>11} {'CPU us/req':>10}")  # fmt: skip
+    for arm, r in by_arm.items():
+        print(
+            f"{arm:10} {r['requests']:8d} {r['ttft_p50_ms']:8.1f}ms {r['ttft_p99_ms']:7.1f}ms "
+            f"{added[arm]['added_p50_ms']:+7.2f} {added[arm]['added_p99_ms']:+7.2f} "
+            f"{r['front_cores']:11.3f} {r['front_cpu_us_per_request']:10.0f}"
+        )
+    phases.print_breakdown({arm: r["phases"] for arm, r in by_arm.items()})
+    for arm in ("service", "before"):
+        if arm in added:
+            p50, p99 = added[arm]["added_p50_ms"], added[arm]["added_p99_ms"]
+            print(f"\n{arm}: added p50 {p50:+.2f} ms (target <= {TARGET_ADDED_P50_MS}), "
+                  f"p99 {p99:+.2f} ms (target <= {TARGET_ADDED_P99_MS})")  # fmt: skip
+
+
+def plot(by_arm: dict[str, dict[str, Any]], path: Path) -> None:
+    plt = pyplot()
+    fig, (left, right) = plt.subplots(1, 2, figsize=(13, 4))
+    arms = list(by_arm)
+    xs = range(len(arms))
+    left.bar([x - 0.2 for x in xs], [by_arm[a]["ttft_p50_ms"] for a in arms], 0.4, label="P50")
+    left.bar([x + 0.2 for x in xs], [by_arm[a]["ttft_p99_ms"] for a in arms], 0.4, label="P99")
+    left.set_xticks(list(xs), arms)
+    left.set_title("time to first chunk at the client (ms)")
+    left.legend()
+    steps = [label for label, _s, _e in phases.STEPS[:2]] + list(phases.EXT_PROC_STEPS)[:2]
+    names = [label for label, _s, _e in phases.STEPS[:2]] + [
+        phases.EXT_PROC_STEPS[k] for k in list(phases.EXT_PROC_STEPS)[:2]
+    ]
+    width = 0.8 / len(names)
+    for i, (label, name) in enumerate(zip(names, steps, strict=True)):
+        del name
+        values = [by_arm[a]["phases"]["steps_ms"].get(label, {}).get("p50", 0.0) for a in arms]
+        right.bar([x + (i - len(names) / 2) * width for x in xs], values, width, label=label)
+    right.set_xticks(list(xs), arms)
+    right.set_title("Envoy's phases before the engine (median ms)")
+    right.legend(fontsize=7)
+    save_figure(fig, path, dpi=110)
+
+
+def run(out: Path, workdir: Path, settings: Settings, arms: list[str],
+        before_src: Path | None) -> dict[str, Any]:  # fmt: skip
+    began = time.perf_counter()
+    split = split_cores()
+    log(NAME, split.describe() if split else "fewer than two cores: nothing pinned")
+    turns: dict[str, list[dict[str, Any]]] = {arm: [] for arm in arms}
+    with engine_set(workdir / "engines", {scenario.POOL: 1}, PROFILE) as engines:
+        endpoint = engines.endpoints[scenario.POOL][0]
+        if split is not None:
+            for pid in descendants(os.getpid()):
+                pin(pid, split.engine)
+            pin(os.getpid(), split.front)
+        for round_index in range(settings.rounds):
+            shift = round_index % len(arms)
+            for arm in arms[shift:] + arms[:shift]:
+                turn = run_turn(arm, round_index, endpoint, workdir, settings, split, before_src)
+                turns[arm].append(turn)
+    by_arm = {arm: merge(turns[arm], settings.measure_s) for arm in arms}
+    added = compare(by_arm)
+    report = {
+        "scenario": NAME,
+        "settings": settings.__dict__,
+        "cores": None if split is None else {"engine": sorted(split.engine),
+                                             "front": sorted(split.front)},
+        "load_average_after": os.getloadavg(),
+        "wall_s": time.perf_counter() - began,
+        "added": added,
+        "arms": by_arm,
+    }  # fmt: skip
+    scenario.save_results(
+        out, report, "low-load.png", lambda path: plot(by_arm, path),
+        lambda: print_table(by_arm, added),
+    )  # fmt: skip
+    return report
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    parser.add_argument("--workdir", type=Path, help="logs of the stacks (default: OUT/stacks)")
+    parser.add_argument("--quick", action="store_true", help="a short smoke run")
+    parser.add_argument("--rounds", type=int, default=Settings.rounds)
+    parser.add_argument("--measure", type=float, help="measured seconds per arm and round")
+    parser.add_argument("--arms", help=f"comma-separated subset of {list(ARMS)} (and before)")
+    parser.add_argument(
+        "--before-src", type=Path, help="a source tree whose service runs as the `before` arm"
+    )
+
+
+def main(args: argparse.Namespace) -> int:
+    settings = Settings(rounds=1, measure_s=5.0, warmup_s=1.0) if args.quick else Settings()
+    if args.rounds != Settings.rounds:
+        settings = Settings(**{**settings.__dict__, "rounds": args.rounds})
+    if args.measure:
+        settings = Settings(**{**settings.__dict__, "measure_s": args.measure})
+    arms = list(ARMS) + (["before"] if args.before_src else [])
+    if args.arms:
+        arms = [a.strip() for a in args.arms.split(",") if a.strip()]
+    unknown = [a for a in arms if a not in (*ARMS, "before")]
+    if unknown or ("before" in arms and args.before_src is None):
+        raise SystemExit(f"unknown arms {unknown} (known: {list(ARMS)}; `before` needs "
+                         "--before-src)")  # fmt: skip
+    run(args.out, scenario.workdir_of(args), settings, arms, args.before_src)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(
+        scenario.script_main("gateway_lab.bench.lowload", __doc__, add_arguments, main)
+    )
