@@ -9,7 +9,12 @@ two (Envoy, the front and this load generator on the others). One tenant sends 1
 * `mimic`: the same server answering the way our service does (`noop --mimic`: gateway headers,
   the `include_usage` body rewrite, the route-cache clear, dynamic metadata, the stream ended
   at the forward) without deciding anything: what the shape of our replies costs Envoy;
+* `one-trip`: the mimic for an admission filter in STREAMED body mode that sends the body
+  without waiting for the headers reply (`noop --mimic --one-round-trip`): what one ext_proc
+  wait instead of two would save;
 * `service`: our service with the default policy;
+* `static`: the same with the pool's adaptive soft limit off, so nothing reads the engine's
+  `/metrics` (10 times a second by default): what that polling costs the engine and us;
 * `before` (with `--before-src DIR`): our service from another source tree (PYTHONPATH=DIR),
   to compare a change with what it replaces in the same run.
 
@@ -25,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import os
 import random
 import time
@@ -35,6 +41,7 @@ from typing import Any
 
 import orjson
 
+from extproc.envoy_routes import ADMISSION_FILTER
 from extproc.policy import hash_key
 from gateway_lab.bench import phases, scenario
 from gateway_lab.bench.cores import CoreSplit, descendants, pin, split_cores
@@ -49,7 +56,7 @@ DEFAULT_OUT = Path("results/low-load")
 KEY = "bench-quiet-key"
 TENANT = "quiet"
 WARMUP_TENANT = "warmup"
-ARMS = ("straight", "noop", "mimic", "service")
+ARMS = ("straight", "noop", "mimic", "one-trip", "service", "static")
 TARGET_ADDED_P50_MS = 1.0
 TARGET_ADDED_P99_MS = 3.0
 
@@ -64,8 +71,10 @@ class Settings:
     prompt_words: int = 12
 
 
-def policy_text(endpoint: str) -> str:
-    """The default policy (DRR, headroom, adaptive soft limit, overload shedding)."""
+def policy_text(endpoint: str, adaptive: bool = True) -> str:
+    """The default policy (DRR, headroom, adaptive soft limit, overload shedding); without
+    `adaptive`, a static soft limit."""
+    static = "" if adaptive else "adaptive: {enabled: false},\n          "
     return f"""\
 version: 1
 tiers: [standard]
@@ -73,7 +82,7 @@ tenants:
   {TENANT}: {{tier: standard, api_keys: ["{hash_key(KEY)}"]}}
 pools:
   {scenario.POOL}: {{max_total_tokens: 131072, max_inflight: 512,
-          max_inflight_tokens: 1000000000, endpoints: ["{endpoint}"]}}
+          max_inflight_tokens: 1000000000, {static}endpoints: ["{endpoint}"]}}
 estimation: {{mode: flat, default_bytes_per_token: 4.0}}
 gateway: {{default_max_tokens: 256}}
 """
@@ -106,16 +115,43 @@ def maker(label: str, settings: Settings, seed: int) -> Any:
     return make
 
 
+def one_trip_bootstrap(text: str) -> str:
+    """The timed bootstrap with the admission filter streaming the request body to the
+    server without waiting for its headers reply (the `one-trip` arm)."""
+    bootstrap = json.loads(phases.timed_bootstrap(text))
+    found = 0
+    for listener in bootstrap["staticResources"]["listeners"]:
+        for chain in listener["filterChains"]:
+            for network_filter in chain["filters"]:
+                for http_filter in network_filter["typedConfig"].get("httpFilters", ()):
+                    if http_filter["name"] == ADMISSION_FILTER:
+                        config = http_filter["typedConfig"]
+                        config["processingMode"]["requestBodyMode"] = "STREAMED"
+                        config["sendBodyWithoutWaitingForHeaderResponse"] = True
+                        found += 1
+    if not found:
+        raise ValueError("the bootstrap has no admission filter")
+    return json.dumps(bootstrap)
+
+
 @contextlib.contextmanager
 def front(arm: str, workdir: Path, endpoint: str, before_src: Path | None) -> Iterator[Gateway]:
-    kind = {"straight": "straight", "noop": "noop", "mimic": "noop"}.get(arm, "extproc")
+    kind = {"straight": "straight", "noop": "noop", "mimic": "noop", "one-trip": "noop"}.get(
+        arm, "extproc"
+    )
+    noop_args: tuple[str, ...] = ()
+    if arm in ("mimic", "one-trip"):
+        noop_args = ("--mimic", scenario.POOL)
+    if arm == "one-trip":
+        noop_args += ("--one-round-trip",)
     env = None
     if arm == "before":
         assert before_src is not None
         env = {**os.environ, "PYTHONPATH": str(before_src)}
     with gateway_stack(
-        workdir, policy_text(endpoint), kind, bootstrap_edit=phases.timed_bootstrap,
-        noop_args=("--mimic", scenario.POOL) if arm == "mimic" else (), extproc_env=env,
+        workdir, policy_text(endpoint, adaptive=arm != "static"), kind,
+        bootstrap_edit=one_trip_bootstrap if arm == "one-trip" else phases.timed_bootstrap,
+        noop_args=noop_args, extproc_env=env,
     ) as gateway:  # fmt: skip
         yield gateway
 

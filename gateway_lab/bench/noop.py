@@ -9,7 +9,12 @@ response headers as dynamic metadata, and the stream ends there. Side by side wi
 floor it shows what the shape of our replies costs Envoy; side by side with our service, what
 our Python costs (gateway_lab.bench.phases).
 
-`python -m gateway_lab.bench.noop --grpc 127.0.0.1:50051 [--mimic]`
+`--one-round-trip` (with `--mimic`, for an admission filter in STREAMED body mode with
+`send_body_without_waiting_for_header_response`): Envoy sends the headers and the body back to
+back, and the server answers the headers only once the body is in (the pool chosen, the
+route cache cleared), then the body: one wait instead of two.
+
+`python -m gateway_lab.bench.noop --grpc 127.0.0.1:50051 [--mimic POOL [--one-round-trip]]`
 """
 
 from __future__ import annotations
@@ -89,9 +94,40 @@ class MimicProcessor(ext_proc_grpc.ExternalProcessorServicer):  # type: ignore[m
                 return
 
 
-async def serve(address: str, mimic_pool: str | None = None) -> None:
+class OneTripMimic(MimicProcessor):
+    """The mimic for a filter that streams the body without waiting for the headers reply
+    (module docstring): every reply goes once the whole body is in."""
+
+    async def Process(
+        self, request_iterator: AsyncIterator[ProcessingRequest], context: object
+    ) -> AsyncIterator[ProcessingResponse]:
+        chunks: list[bytes] = []
+        async for request in request_iterator:
+            if request.observability_mode or not request.HasField("request_body"):
+                continue
+            chunks.append(request.request_body.body)
+            if not request.request_body.end_of_stream:
+                continue
+            body = orjson.loads(b"".join(chunks))
+            body["stream_options"] = {"include_usage": True}
+            headers = [*_GATEWAY_HEADERS, (POOL_HEADER, self.pool)]
+            # Envoy drops content-length itself in STREAMED mode (the upstream gets chunked).
+            yield responses.continue_request_headers(headers, clear_route_cache=True)
+            for _ in chunks[:-1]:
+                earlier = responses.continue_request_body()
+                earlier.request_body.response.body_mutation.clear_body = True
+                yield earlier
+            reply = responses.continue_request_body(body=orjson.dumps(body))
+            responses.fill_metadata(reply, ADMISSION_METADATA, _RESPONSE_HEADERS)
+            yield reply
+            return
+
+
+async def serve(address: str, mimic_pool: str | None = None, one_trip: bool = False) -> None:
     server = grpc.aio.server(options=GRPC_SERVER_OPTIONS)
-    servicer = NoopProcessor() if mimic_pool is None else MimicProcessor(mimic_pool)
+    servicer: ext_proc_grpc.ExternalProcessorServicer = NoopProcessor()
+    if mimic_pool is not None:
+        servicer = OneTripMimic(mimic_pool) if one_trip else MimicProcessor(mimic_pool)
     ext_proc_grpc.add_ExternalProcessorServicer_to_server(servicer, server)
     server.add_insecure_port(address)
     await server.start()
@@ -110,9 +146,13 @@ def main() -> None:
     parser.add_argument(
         "--mimic", metavar="POOL", help="answer like the admission stream, routing to POOL"
     )
+    parser.add_argument(
+        "--one-round-trip", action="store_true",
+        help="with --mimic: answer the headers once the body is in (STREAMED body mode)",
+    )  # fmt: skip
     args = parser.parse_args()
     install_event_loop_policy()
-    asyncio.run(serve(args.grpc, args.mimic))
+    asyncio.run(serve(args.grpc, args.mimic, args.one_round_trip))
 
 
 if __name__ == "__main__":

@@ -28,7 +28,9 @@ def test_low_load_quick(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> N
     assert lowload.main(args) == 0
     printed = capsys.readouterr().out
     data = json.loads((out / "results.json").read_text())
-    assert list(data["arms"]) == ["straight", "noop", "mimic", "service", "before"]
+    assert list(data["arms"]) == [
+        "straight", "noop", "mimic", "one-trip", "service", "static", "before",
+    ]  # fmt: skip
     for arm, result in data["arms"].items():
         assert result["requests"] >= 1, f"{arm} answered nothing"
         assert result["failed"] == 0, arm

@@ -9,10 +9,11 @@ from collections.abc import AsyncIterator
 import grpc
 import orjson
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ext_proc_grpc
+from envoy.service.ext_proc.v3.external_processor_pb2 import HttpBody, ProcessingRequest
 
 from extproc.service.roles import ADMISSION_METADATA
 from extproc.service.server import GRPC_SERVER_OPTIONS
-from gateway_lab.bench.noop import MimicProcessor, NoopProcessor
+from gateway_lab.bench.noop import MimicProcessor, NoopProcessor, OneTripMimic
 from tests.grpc.test_extproc_stream import EnvoyPeer, body_message, headers_message, set_headers
 
 
@@ -60,4 +61,25 @@ async def test_plain_floor_leaves_the_request_alone() -> None:
         assert reply.HasField("request_body")
         assert not reply.request_body.response.HasField("body_mutation")
         assert not reply.request_body.response.clear_route_cache
+        await peer.close()
+
+
+async def test_one_trip_mimic_answers_the_headers_once_the_body_is_in() -> None:
+    async for stub in _stub(OneTripMimic("main")):
+        peer = EnvoyPeer(stub)
+        body = orjson.dumps({"model": "m", "prompt": "hi", "stream": True})
+        first, rest = body[:10], body[10:]
+        await peer.outbox.put(headers_message("POST", "/v1/completions", "key"))
+        await peer.outbox.put(ProcessingRequest(request_body=HttpBody(body=first)))
+        last = ProcessingRequest(request_body=HttpBody(body=rest, end_of_stream=True))
+        headers = await peer.send(last)  # nothing was answered before the body's end
+        assert headers.request_headers.response.clear_route_cache
+        assert set_headers(headers, "request_headers")["x-llm-pool"] == "main"
+        earlier = await peer.read()
+        assert earlier.request_body.response.body_mutation.clear_body
+        reply = await peer.read()
+        forwarded = orjson.loads(reply.request_body.response.body_mutation.body)
+        assert forwarded["stream_options"] == {"include_usage": True}
+        assert reply.dynamic_metadata.fields[ADMISSION_METADATA].struct_value.fields
+        assert await peer.read() == grpc.aio.EOF
         await peer.close()
