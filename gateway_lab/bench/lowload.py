@@ -243,6 +243,10 @@ def print_table(by_arm: dict[str, dict[str, Any]], added: dict[str, Any]) -> Non
             f"{added[arm]['added_p50_ms']:+7.2f} {added[arm]['added_p99_ms']:+7.2f} "
             f"{r['front_cores']:11.3f} {r['front_cpu_us_per_request']:10.0f}"
         )
+    print("\nEnvoy: the request's first byte -> its first byte upstream (ms), P50 / P90:")
+    for arm, r in by_arm.items():
+        upstream = r["phases"]["phases_ms"]["upstream_start"]
+        print(f"  {arm:10} {upstream['p50']:6.2f} / {upstream['p90']:6.2f}")
     phases.print_breakdown({arm: r["phases"] for arm, r in by_arm.items()})
     for arm in ("service", "before"):
         if arm in added:
@@ -255,24 +259,28 @@ def plot(by_arm: dict[str, dict[str, Any]], path: Path) -> None:
     plt = pyplot()
     fig, (left, right) = plt.subplots(1, 2, figsize=(13, 4))
     arms = list(by_arm)
-    xs = range(len(arms))
-    left.bar([x - 0.2 for x in xs], [by_arm[a]["ttft_p50_ms"] for a in arms], 0.4, label="P50")
-    left.bar([x + 0.2 for x in xs], [by_arm[a]["ttft_p99_ms"] for a in arms], 0.4, label="P99")
-    left.set_xticks(list(xs), arms)
-    left.set_title("time to first chunk at the client (ms)")
-    left.legend()
-    steps = [label for label, _s, _e in phases.STEPS[:2]] + list(phases.EXT_PROC_STEPS)[:2]
-    names = [label for label, _s, _e in phases.STEPS[:2]] + [
-        phases.EXT_PROC_STEPS[k] for k in list(phases.EXT_PROC_STEPS)[:2]
-    ]
-    width = 0.8 / len(names)
-    for i, (label, name) in enumerate(zip(names, steps, strict=True)):
-        del name
-        values = [by_arm[a]["phases"]["steps_ms"].get(label, {}).get("p50", 0.0) for a in arms]
-        right.bar([x + (i - len(names) / 2) * width for x in xs], values, width, label=label)
-    right.set_xticks(list(xs), arms)
-    right.set_title("Envoy's phases before the engine (median ms)")
-    right.legend(fontsize=7)
+    xs = list(range(len(arms)))
+
+    def client(arm: str, quantile: str) -> float:
+        value: float = by_arm[arm][f"ttft_{quantile}_ms"]
+        return value
+
+    def upstream(arm: str, quantile: str) -> float:
+        value: float = by_arm[arm]["phases"]["phases_ms"]["upstream_start"][quantile]
+        return value
+
+    panels = (
+        (left, client, ("p50", "p99"), "time to first chunk at the client (ms)"),
+        (right, upstream, ("p50", "p90"),
+         "Envoy: request's first byte -> first byte upstream (ms)"),
+    )  # fmt: skip
+    for axis, value, quantiles, title in panels:
+        for offset, quantile in ((-0.2, quantiles[0]), (0.2, quantiles[1])):
+            heights = [value(a, quantile) for a in arms]
+            axis.bar([x + offset for x in xs], heights, 0.4, label=quantile.upper())
+        axis.set_xticks(xs, arms)
+        axis.set_title(title)
+        axis.legend()
     save_figure(fig, path, dpi=110)
 
 
