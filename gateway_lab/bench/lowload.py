@@ -12,6 +12,8 @@ two (Envoy, the front and this load generator on the others). One tenant sends 1
 * `one-trip`: the mimic for an admission filter in STREAMED body mode that sends the body
   without waiting for the headers reply (`noop --mimic --one-round-trip`): what one ext_proc
   wait instead of two would save;
+* `noop-no-acct`: the floor without the accounting filter (removed from the bootstrap), so
+  Envoy opens no observability stream on the way upstream: what opening it costs the request;
 * `service`: our service with the default policy;
 * `static`: the same with the pool's adaptive soft limit off, so nothing reads the engine's
   `/metrics` (10 times a second by default): what that polling costs the engine and us;
@@ -41,7 +43,7 @@ from typing import Any
 
 import orjson
 
-from extproc.envoy_routes import ADMISSION_FILTER
+from extproc.envoy_routes import ACCOUNTING_FILTER, ADMISSION_FILTER
 from extproc.policy import hash_key
 from gateway_lab.bench import phases, scenario
 from gateway_lab.bench.cores import CoreSplit, descendants, pin, split_cores
@@ -56,7 +58,7 @@ DEFAULT_OUT = Path("results/low-load")
 KEY = "bench-quiet-key"
 TENANT = "quiet"
 WARMUP_TENANT = "warmup"
-ARMS = ("straight", "noop", "mimic", "one-trip", "service", "static")
+ARMS = ("straight", "noop", "noop-no-acct", "mimic", "one-trip", "service", "static")
 TARGET_ADDED_P50_MS = 1.0
 TARGET_ADDED_P99_MS = 3.0
 
@@ -115,30 +117,54 @@ def maker(label: str, settings: Settings, seed: int) -> Any:
     return make
 
 
+def _managers(bootstrap: dict[str, Any]) -> Iterator[dict[str, Any]]:
+    for listener in bootstrap["staticResources"]["listeners"]:
+        for chain in listener["filterChains"]:
+            for network_filter in chain["filters"]:
+                if "httpFilters" in network_filter["typedConfig"]:
+                    yield network_filter["typedConfig"]
+
+
 def one_trip_bootstrap(text: str) -> str:
     """The timed bootstrap with the admission filter streaming the request body to the
     server without waiting for its headers reply (the `one-trip` arm)."""
     bootstrap = json.loads(phases.timed_bootstrap(text))
     found = 0
-    for listener in bootstrap["staticResources"]["listeners"]:
-        for chain in listener["filterChains"]:
-            for network_filter in chain["filters"]:
-                for http_filter in network_filter["typedConfig"].get("httpFilters", ()):
-                    if http_filter["name"] == ADMISSION_FILTER:
-                        config = http_filter["typedConfig"]
-                        config["processingMode"]["requestBodyMode"] = "STREAMED"
-                        config["sendBodyWithoutWaitingForHeaderResponse"] = True
-                        found += 1
+    for manager in _managers(bootstrap):
+        for http_filter in manager["httpFilters"]:
+            if http_filter["name"] == ADMISSION_FILTER:
+                config = http_filter["typedConfig"]
+                config["processingMode"]["requestBodyMode"] = "STREAMED"
+                config["sendBodyWithoutWaitingForHeaderResponse"] = True
+                found += 1
     if not found:
         raise ValueError("the bootstrap has no admission filter")
     return json.dumps(bootstrap)
 
 
+def no_accounting_bootstrap(text: str) -> str:
+    """The timed bootstrap without the accounting filter (the `noop-no-acct` arm)."""
+    bootstrap = json.loads(phases.timed_bootstrap(text))
+    for manager in _managers(bootstrap):
+        before = len(manager["httpFilters"])
+        manager["httpFilters"] = [
+            f for f in manager["httpFilters"] if f["name"] != ACCOUNTING_FILTER
+        ]
+        if len(manager["httpFilters"]) == before:
+            raise ValueError("the bootstrap has no accounting filter")
+        for host in manager["routeConfig"]["virtualHosts"]:
+            for route in host["routes"]:
+                route.get("typedPerFilterConfig", {}).pop(ACCOUNTING_FILTER, None)
+    return json.dumps(bootstrap)
+
+
+EDITS = {"one-trip": one_trip_bootstrap, "noop-no-acct": no_accounting_bootstrap}
+
+
 @contextlib.contextmanager
 def front(arm: str, workdir: Path, endpoint: str, before_src: Path | None) -> Iterator[Gateway]:
-    kind = {"straight": "straight", "noop": "noop", "mimic": "noop", "one-trip": "noop"}.get(
-        arm, "extproc"
-    )
+    noops = ("noop", "noop-no-acct", "mimic", "one-trip")
+    kind = "straight" if arm == "straight" else "noop" if arm in noops else "extproc"
     noop_args: tuple[str, ...] = ()
     if arm in ("mimic", "one-trip"):
         noop_args = ("--mimic", scenario.POOL)
@@ -150,7 +176,7 @@ def front(arm: str, workdir: Path, endpoint: str, before_src: Path | None) -> It
         env = {**os.environ, "PYTHONPATH": str(before_src)}
     with gateway_stack(
         workdir, policy_text(endpoint, adaptive=arm != "static"), kind,
-        bootstrap_edit=one_trip_bootstrap if arm == "one-trip" else phases.timed_bootstrap,
+        bootstrap_edit=EDITS.get(arm, phases.timed_bootstrap),
         noop_args=noop_args, extproc_env=env,
     ) as gateway:  # fmt: skip
         yield gateway
