@@ -33,6 +33,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import math
 import os
 import random
 import time
@@ -261,21 +262,25 @@ def compare(by_arm: dict[str, dict[str, Any]]) -> dict[str, Any]:
 
 
 def print_table(by_arm: dict[str, dict[str, Any]], added: dict[str, Any]) -> None:
-    print(f"\n{'arm':10} {'answered':>8} {'TTFT p50':>9} {'p99':>8} {'+p50':>7} {'+p99':>7} "
+    print(f"\n{'arm':12} {'answered':>8} {'TTFT p50':>9} {'p99':>8} {'+p50':>7} {'+p99':>7} "
           f"{'front cores':>11} {'CPU us/req':>10}")  # fmt: skip
+
+    def signed(value: float | None) -> str:  # None: NaN read back from results.json
+        return "-" if value is None or math.isnan(value) else f"{value:+.2f}"
+
     for arm, r in by_arm.items():
         print(
-            f"{arm:10} {r['requests']:8d} {r['ttft_p50_ms']:8.1f}ms {r['ttft_p99_ms']:7.1f}ms "
-            f"{added[arm]['added_p50_ms']:+7.2f} {added[arm]['added_p99_ms']:+7.2f} "
+            f"{arm:12} {r['requests']:8d} {r['ttft_p50_ms']:8.1f}ms {r['ttft_p99_ms']:7.1f}ms "
+            f"{signed(added[arm]['added_p50_ms']):>7} {signed(added[arm]['added_p99_ms']):>7} "
             f"{r['front_cores']:11.3f} {r['front_cpu_us_per_request']:10.0f}"
         )
     print("\nEnvoy: the request's first byte -> its first byte upstream (ms), P50 / P90:")
     for arm, r in by_arm.items():
         upstream = r["phases"]["phases_ms"]["upstream_start"]
-        print(f"  {arm:10} {upstream['p50']:6.2f} / {upstream['p90']:6.2f}")
+        print(f"  {arm:12} {upstream['p50']:6.2f} / {upstream['p90']:6.2f}")
     phases.print_breakdown({arm: r["phases"] for arm, r in by_arm.items()})
     for arm in ("service", "before"):
-        if arm in added:
+        if arm in added and "straight" in added:
             p50, p99 = added[arm]["added_p50_ms"], added[arm]["added_p99_ms"]
             print(f"\n{arm}: added p50 {p50:+.2f} ms (target <= {TARGET_ADDED_P50_MS}), "
                   f"p99 {p99:+.2f} ms (target <= {TARGET_ADDED_P99_MS})")  # fmt: skip
