@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from extproc.envoy_routes import ACCOUNTING_FILTER
 from gateway_lab.bench import lowload
 
 pytestmark = [pytest.mark.smoke, pytest.mark.dataplane, pytest.mark.plots]
@@ -29,13 +30,20 @@ def test_low_load_quick(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> N
     printed = capsys.readouterr().out
     data = json.loads((out / "results.json").read_text())
     assert list(data["arms"]) == [
-        "straight", "noop", "mimic", "one-trip", "service", "static", "before",
+        "straight", "noop", "noop-no-acct", "mimic", "one-trip", "service", "static", "before",
     ]  # fmt: skip
     for arm, result in data["arms"].items():
         assert result["requests"] >= 1, f"{arm} answered nothing"
         assert result["failed"] == 0, arm
         assert result["phases"]["requests"] >= 1, f"Envoy logged no {arm} request"
     assert data["arms"]["straight"]["front_cores"] == 0.0
+    filters = {
+        arm: json.dumps(json.loads((tmp_path / "w" / f"{arm}-0" / "envoy.json").read_text()))
+        for arm in ("noop", "noop-no-acct", "one-trip")
+    }
+    assert ACCOUNTING_FILTER in filters["noop"]
+    assert ACCOUNTING_FILTER not in filters["noop-no-acct"]
+    assert "sendBodyWithoutWaitingForHeaderResponse" in filters["one-trip"]
     assert data["arms"]["service"]["front_cores"] > 0.0
     assert data["arms"]["before"]["front_cores"] > 0.0
     steps = data["arms"]["mimic"]["phases"]["steps_ms"]
