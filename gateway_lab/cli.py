@@ -48,6 +48,10 @@ BENCH_SCENARIOS = {
         "locality_sim",
         "simulated replay of a hash_ids trace (Mooncake): VTC/DRR/DLPM",
     ),
+    "low-load": (
+        "lowload",
+        "what the gateway adds at 1 request/s, per phase: straight, do-nothing, mimic, ours",
+    ),
     "self-overload": (
         "self_overload",
         "a quiet tenant while the gateway itself is overloaded; kvwarden peer; phase timings",

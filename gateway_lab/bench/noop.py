@@ -2,7 +2,19 @@
 an empty response and never answers observability-mode messages. Whatever it costs is the price
 of gRPC in Python; our service is judged against it.
 
-`python -m gateway_lab.bench.noop --grpc 127.0.0.1:50051`
+`--mimic` answers the request phases the way our service does, without deciding anything: the
+headers reply sets the gateway's headers, the body reply adds `include_usage` to the body
+(with its content-length), sets the pool header, clears the route cache and carries the
+response headers as dynamic metadata, and the stream ends there. Side by side with the plain
+floor it shows what the shape of our replies costs Envoy; side by side with our service, what
+our Python costs (gateway_lab.bench.phases).
+
+`--one-round-trip` (with `--mimic`, for an admission filter in STREAMED body mode with
+`send_body_without_waiting_for_header_response`): Envoy sends the headers and the body back to
+back, and the server answers the headers only once the body is in (the pool chosen, the
+route cache cleared), then the body: one wait instead of two.
+
+`python -m gateway_lab.bench.noop --grpc 127.0.0.1:50051 [--mimic POOL [--one-round-trip]]`
 """
 
 from __future__ import annotations
@@ -13,6 +25,7 @@ import signal
 from collections.abc import AsyncIterator
 
 import grpc
+import orjson
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ext_proc_grpc
 from envoy.service.ext_proc.v3.external_processor_pb2 import (
     BodyResponse,
@@ -21,8 +34,12 @@ from envoy.service.ext_proc.v3.external_processor_pb2 import (
     ProcessingResponse,
 )
 
+from extproc.envoy_config import admission_response_headers
+from extproc.service import responses
 from extproc.service.main import install_event_loop_policy
+from extproc.service.roles import ADMISSION_METADATA
 from extproc.service.server import GRPC_SERVER_OPTIONS
+from extproc.types import GATEWAY_REQUEST_ID_HEADER, POOL_HEADER, TENANT_HEADER, TIER_HEADER
 
 _EMPTY = {
     "request_headers": ProcessingResponse(request_headers=HeadersResponse()),
@@ -44,9 +61,74 @@ class NoopProcessor(ext_proc_grpc.ExternalProcessorServicer):  # type: ignore[mi
                 yield reply
 
 
-async def serve(address: str) -> None:
+_GATEWAY_HEADERS = [
+    (TENANT_HEADER, "bench"), (TIER_HEADER, "standard"), (GATEWAY_REQUEST_ID_HEADER, "mimic"),
+]  # fmt: skip
+_RESPONSE_HEADERS = {name: "1" for name in admission_response_headers()[:6]}
+
+
+class MimicProcessor(ext_proc_grpc.ExternalProcessorServicer):  # type: ignore[misc]
+    """Replies shaped like the admission stream's (module docstring); the pool header names
+    `pool`, the first pool of the policy it fronts."""
+
+    def __init__(self, pool: str) -> None:
+        self.pool = pool
+
+    async def Process(
+        self, request_iterator: AsyncIterator[ProcessingRequest], context: object
+    ) -> AsyncIterator[ProcessingResponse]:
+        async for request in request_iterator:
+            if request.observability_mode:
+                continue
+            if request.HasField("request_headers"):
+                yield responses.continue_request_headers(_GATEWAY_HEADERS)
+            elif request.HasField("request_body"):
+                body = orjson.loads(request.request_body.body)
+                body["stream_options"] = {"include_usage": True}
+                data = orjson.dumps(body)
+                values = [*_GATEWAY_HEADERS, (POOL_HEADER, self.pool),
+                          ("content-length", str(len(data)))]  # fmt: skip
+                reply = responses.continue_request_body(values, clear_route_cache=True, body=data)
+                responses.fill_metadata(reply, ADMISSION_METADATA, _RESPONSE_HEADERS)
+                yield reply
+                return
+
+
+class OneTripMimic(MimicProcessor):
+    """The mimic for a filter that streams the body without waiting for the headers reply
+    (module docstring): every reply goes once the whole body is in."""
+
+    async def Process(
+        self, request_iterator: AsyncIterator[ProcessingRequest], context: object
+    ) -> AsyncIterator[ProcessingResponse]:
+        chunks: list[bytes] = []
+        async for request in request_iterator:
+            if request.observability_mode or not request.HasField("request_body"):
+                continue
+            chunks.append(request.request_body.body)
+            if not request.request_body.end_of_stream:
+                continue
+            body = orjson.loads(b"".join(chunks))
+            body["stream_options"] = {"include_usage": True}
+            headers = [*_GATEWAY_HEADERS, (POOL_HEADER, self.pool)]
+            # Envoy drops content-length itself in STREAMED mode (the upstream gets chunked).
+            yield responses.continue_request_headers(headers, clear_route_cache=True)
+            for _ in chunks[:-1]:
+                earlier = responses.continue_request_body()
+                earlier.request_body.response.body_mutation.clear_body = True
+                yield earlier
+            reply = responses.continue_request_body(body=orjson.dumps(body))
+            responses.fill_metadata(reply, ADMISSION_METADATA, _RESPONSE_HEADERS)
+            yield reply
+            return
+
+
+async def serve(address: str, mimic_pool: str | None = None, one_trip: bool = False) -> None:
     server = grpc.aio.server(options=GRPC_SERVER_OPTIONS)
-    ext_proc_grpc.add_ExternalProcessorServicer_to_server(NoopProcessor(), server)
+    servicer: ext_proc_grpc.ExternalProcessorServicer = NoopProcessor()
+    if mimic_pool is not None:
+        servicer = OneTripMimic(mimic_pool) if one_trip else MimicProcessor(mimic_pool)
+    ext_proc_grpc.add_ExternalProcessorServicer_to_server(servicer, server)
     server.add_insecure_port(address)
     await server.start()
     print(f"noop ext_proc on {address}", flush=True)
@@ -61,9 +143,16 @@ async def serve(address: str) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--grpc", default="127.0.0.1:50051")
+    parser.add_argument(
+        "--mimic", metavar="POOL", help="answer like the admission stream, routing to POOL"
+    )
+    parser.add_argument(
+        "--one-round-trip", action="store_true",
+        help="with --mimic: answer the headers once the body is in (STREAMED body mode)",
+    )  # fmt: skip
     args = parser.parse_args()
     install_event_loop_policy()
-    asyncio.run(serve(args.grpc))
+    asyncio.run(serve(args.grpc, args.mimic, args.one_round_trip))
 
 
 if __name__ == "__main__":

@@ -120,9 +120,12 @@ def gateway_stack(
     extproc_args: Sequence[str] = (),
     bootstrap_edit: Callable[[str], str] | None = None,
     accounting_process: bool = False,
+    noop_args: Sequence[str] = (),
+    extproc_env: Mapping[str, str] | None = None,
 ) -> Iterator[Gateway]:
     """Envoy on fresh loopback ports, straight to the policy's endpoints (`straight`) or
-    through `extproc serve` (`extproc`) or the do-nothing floor (`noop`). `bootstrap_edit`
+    through `extproc serve` (`extproc`, in an environment of `extproc_env` if given) or the
+    do-nothing floor (`noop`, with `noop_args`: gateway_lab.bench.noop). `bootstrap_edit`
     rewrites Envoy's rendered bootstrap (JSON text, access log on) before it starts.
     `accounting_process`: the service accounts in a child process on a port of its own
     (`serve --accounting-grpc`, Envoy's accounting cluster)."""
@@ -139,17 +142,24 @@ def gateway_stack(
     accounting = f"127.0.0.1:{free_port()}" if accounting_process and arm == "extproc" else None
     if arm == "extproc":
         serve_args = [*extproc_args, *(["--accounting-grpc", accounting] if accounting else [])]
-        stack.children.append(
-            extproc_child(
-                workdir, str(policy_path), grpc_address, admin, serve_args, log_level="WARNING"
-            )
+        child = extproc_child(
+            workdir, str(policy_path), grpc_address, admin, serve_args, log_level="WARNING"
         )
+        child.env = None if extproc_env is None else dict(extproc_env)
+        stack.children.append(child)
         checks.append((functools.partial(http_ok, f"http://{admin}/readyz"), "extproc"))
     elif arm == "noop":
         stack.children.append(
             Child(
                 name="extproc",
-                command=[sys.executable, "-m", "gateway_lab.bench.noop", "--grpc", grpc_address],
+                command=[
+                    sys.executable,
+                    "-m",
+                    "gateway_lab.bench.noop",
+                    "--grpc",
+                    grpc_address,
+                    *noop_args,
+                ],
                 log_path=workdir / "noop.log",
             )
         )
