@@ -390,14 +390,15 @@ def plot(results: dict[str, dict[str, Any]], summary: dict[str, Any], path: Path
 
 def run(
     out: Path, workdir: Path, work: Workload, timing: Timing, arms: list[Arm],
-    kvwarden_venv: Path, seed: int = 7, profile: str = PROFILE,
+    kvwarden_venv: Path, seed: int = 7, profile: str = PROFILE, engine_policy: str = "fcfs",
 ) -> dict[str, Any]:  # fmt: skip
     began = time.perf_counter()
     split = split_cores()
     log(NAME, split.describe() if split else "fewer than two cores: nothing pinned")
     load_before = os.getloadavg()
     results: dict[str, dict[str, Any]] = {}
-    with engine_set(workdir / "engines", {scenario.POOL: 1}, profile) as engines:
+    engine_args = ("--scheduling-policy", engine_policy)
+    with engine_set(workdir / "engines", {scenario.POOL: 1}, profile, engine_args) as engines:
         endpoint = engines.endpoints[scenario.POOL][0]
         engine_pids = {f"engine {i}": pid for i, pid in enumerate(descendants(os.getpid()))}
         if split is not None:
@@ -412,6 +413,7 @@ def run(
     report = {
         "scenario": NAME,
         "profile": profile,
+        "engine_policy": engine_policy,
         "workload": work.__dict__,
         "timing": timing.__dict__,
         "cores": None if split is None else {"engine": sorted(split.engine),
@@ -436,6 +438,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-kvwarden", action="store_true", help="skip the kvwarden arms")
     parser.add_argument("--over-rate", type=float, help="flooder requests/s in `over` (48)")
     parser.add_argument("--seed", type=int, default=7)
+    parser.add_argument(
+        "--engine-policy", choices=("fcfs", "priority"), default="fcfs",
+        help="the engine's --scheduling-policy (default fcfs, as the issue's table; the pools "
+        "the project ships run priority, which orders the engine queue by the body's priority "
+        "the service writes; straight and kvwarden arms send none)",
+    )  # fmt: skip
 
 
 def main(args: argparse.Namespace) -> int:
@@ -456,7 +464,10 @@ def main(args: argparse.Namespace) -> int:
             log(NAME, f"no kvwarden in {args.kvwarden_venv} (scripts/setup-kvwarden.sh): "
                       "its arms are skipped")  # fmt: skip
         arms = [a for a in arms if a.front != "kvwarden"]
-    run(args.out, scenario.workdir_of(args), work, timing, arms, args.kvwarden_venv, args.seed)
+    run(
+        args.out, scenario.workdir_of(args), work, timing, arms, args.kvwarden_venv, args.seed,
+        engine_policy=args.engine_policy,
+    )  # fmt: skip
     return 0
 
 
