@@ -52,7 +52,6 @@ from typing import Any
 import aiohttp
 import orjson
 
-from extproc.policy import hash_key
 from extproc.scheduler.adaptive import AdaptiveSettings
 from gateway_lab.bench import embedding_flood_report, scenario
 from gateway_lab.bench.capacity import CapacityConfig
@@ -141,13 +140,7 @@ def policy_text(
     static: bool = False,
     inflight_tokens: int = 98_304,
 ) -> str:
-    limits = "{max_queued: 100000, max_queue_wait: 600s}"
-    lines = ["version: 1", "tiers: [standard]", "tenants:"]
-    for name, weight in weights.items():
-        lines.append(
-            f'  {name}: {{tier: standard, weight: {weight}, api_keys: ["{hash_key(KEYS[name])}"],'
-            f" limits: {limits}}}"
-        )
+    lines = scenario.standard_tenants(weights, KEYS)
     pool = [
         "max_total_tokens: 131072",
         f"max_inflight: {STATIC_INFLIGHT if static else 512}",

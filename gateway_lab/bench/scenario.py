@@ -24,6 +24,7 @@ from typing import Any, Protocol, TypeVar
 
 import orjson
 
+from extproc.policy import hash_key
 from gateway_lab.bench.capacity import CapacityConfig
 from gateway_lab.bench.loadgen import Load, closed_loop, open_loop
 from gateway_lab.bench.monitor import (
@@ -134,6 +135,19 @@ def arm_gateway(
         policy_text = capacity.apply(policy_text)
     with gateway_stack(workdir / arm, policy_text, PATHS[path]) as gateway:
         yield gateway
+
+
+def standard_tenants(weights: Mapping[str, float], keys: Mapping[str, str]) -> list[str]:
+    """A policy's first lines: one tier, `standard`, and each tenant of `weights` in it with
+    its weight, its key of `keys` (hashed) and queue limits that never refuse in a run."""
+    limits = "{max_queued: 100000, max_queue_wait: 600s}"
+    lines = ["version: 1", "tiers: [standard]", "tenants:"]
+    for name, weight in weights.items():
+        lines.append(
+            f'  {name}: {{tier: standard, weight: {weight}, api_keys: ["{hash_key(keys[name])}"],'
+            f" limits: {limits}}}"
+        )
+    return lines
 
 
 def fixed_maker(

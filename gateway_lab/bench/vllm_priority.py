@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from extproc.policy import hash_key, policy_from_text
+from extproc.policy import policy_from_text
 from gateway_lab.bench import scenario
 from gateway_lab.bench.figures import pyplot, save_figure
 from gateway_lab.bench.loadgen import Load
@@ -90,13 +90,7 @@ ARMS = (
 
 
 def policy_text(endpoint: str, work: Workload, static: bool) -> str:
-    limits = "{max_queued: 100000, max_queue_wait: 600s}"
-    lines = ["version: 1", "tiers: [standard]", "tenants:"]
-    for name in (QUIET, FLOOD):
-        lines.append(
-            f'  {name}: {{tier: standard, weight: 1, api_keys: ["{hash_key(KEYS[name])}"],'
-            f" limits: {limits}}}"
-        )
+    lines = scenario.standard_tenants({QUIET: 1, FLOOD: 1}, KEYS)
     pool = [
         "max_total_tokens: 2048",
         f"max_inflight: {work.static_inflight if static else 256}",
