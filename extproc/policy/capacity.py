@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from extproc.endpoints import ENDPOINT_CLASSES, ENDPOINTS
-from extproc.policy.model import DEFAULT_HEADROOM_MAX, PolicyFile, Pool
+from extproc.policy.model import DEFAULT_HEADROOM_MAX, LatencyDelta, PolicyFile, Pool
 
 ADAPTIVE_INITIAL_MAX = 16
 """The adaptive limit's start without `initial_inflight` (extproc.scheduler.adaptive)."""
@@ -110,10 +110,20 @@ def describe_isolation(source: PolicyFile) -> list[str]:
     for tier, options in source.tier_options.items():
         if options.latency_delta is not None:
             lines.append(
-                f"tier {tier}: latency_delta {options.latency_delta * 1000:g} ms: a light "
+                f"tier {tier}: latency_delta {_objectives(options.latency_delta)}: a light "
                 "tenant's lag behind alone steers the backlogged tenants' share of its pools"
             )
     return lines
+
+
+def _objectives(delta: LatencyDelta) -> str:
+    """`first_token 150 ms, every_token 150 ms`: the watched kinds of token."""
+    kinds = (
+        ("first_token", delta.first_token),
+        ("every_token", delta.every_token),
+        ("token_gap", delta.token_gap),
+    )
+    return ", ".join(f"{kind} {value * 1000:g} ms" for kind, value in kinds if value is not None)
 
 
 def _locality_line(pool: Pool) -> str:

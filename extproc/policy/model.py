@@ -9,7 +9,7 @@ from __future__ import annotations
 import re
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
 
 from extproc.endpoints import EndpointClass
 
@@ -33,6 +33,7 @@ def parse_duration(value: object) -> float:
 
 
 Duration = Annotated[float, BeforeValidator(parse_duration)]
+PositiveDuration = Annotated[Duration, Field(gt=0)]
 PositiveInt = Annotated[int, Field(gt=0)]
 NonNegativeInt = Annotated[int, Field(ge=0)]
 PositiveFloat = Annotated[float, Field(gt=0)]
@@ -82,13 +83,46 @@ class Tenant(StrictModel):
     max_priority: int | None = None
 
 
+class LatencyDelta(StrictModel):
+    """A tier's δ objectives, per kind of token (extproc/scheduler/latency.py): how much later
+    than alone a light tenant of the tier may get them. Each one set steers the pools the
+    tenant uses; an unset one is not watched."""
+
+    first_token: PositiveDuration | None = None
+    """The first token: observed time to first token minus the alone one."""
+    every_token: PositiveDuration | None = None
+    """Each later token, counted from the request's submit (FairInference's δ): the k-th token
+    against alone TTFT + (k - 1) x the alone step, so a response that streams slower than
+    alone accumulates lag token after token."""
+    token_gap: PositiveDuration | None = None
+    """Each gap between tokens: the gap per token minus the alone step."""
+
+    @model_validator(mode="after")
+    def _something_watched(self) -> LatencyDelta:
+        if self.first_token is None and self.every_token is None and self.token_gap is None:
+            raise ValueError("set at least one of first_token, every_token, token_gap")
+        return self
+
+
+def _latency_delta(value: object) -> object:
+    """One duration is the objective for the first token and every later one."""
+    if isinstance(value, dict) or value is None:
+        return value
+    seconds = parse_duration(value)
+    if seconds <= 0:
+        raise ValueError("latency_delta must be above 0")
+    return {"first_token": seconds, "every_token": seconds}
+
+
 class TierOptions(StrictModel):
     default_deadline: Duration | None = None
-    latency_delta: Annotated[Duration, Field(gt=0)] | None = None
-    """The δ objective: a light tenant of this tier gets each token at most this much later
+    latency_delta: Annotated[LatencyDelta | None, BeforeValidator(_latency_delta)] = None
+    """The δ objective: a light tenant of this tier gets its tokens at most this much later
     than it would alone. When one does not, the pools it uses admit less of the backlogged
     tenants' work (their share of the soft limit and the prefill budget); when there is slack,
-    more (extproc/scheduler/latency.py). Omitted: no objective."""
+    more (extproc/scheduler/latency.py). One duration watches the first token and every later
+    one; a mapping (`first_token`, `every_token`, `token_gap`) chooses. Omitted: no
+    objective."""
 
 
 class AdaptiveLimit(StrictModel):
@@ -268,9 +302,6 @@ class Gateway(StrictModel):
     (extproc.service.reconcile); only with `state.backend: memory`, and the process must be
     its engines' only client."""
     overload: Overload = Field(default_factory=Overload)
-
-
-PositiveDuration = Annotated[Duration, Field(gt=0)]
 
 
 class State(StrictModel):

@@ -17,10 +17,13 @@ request's submit, so the simulator drives the same code.
 * *Controller* (`DeltaController`, per pool): a factor f in [`MIN_FACTOR`, 1] on the
   backlogged tenants' part of the pool: they are dispatched only while the pool's in-flight
   requests are below f x its soft limit and its prefilling prompt tokens below f x its prefill
-  budget. A lag above a light tenant's tier objective cuts f by `DECREASE` (at most once per
-  `COOLDOWN_S`); a lag below half the objective raises it by `INCREASE_PER_S` per second of
-  such slack (AIMD). Light tenants are never held back by it; the engines' own waiting queue
-  stays with the adaptive limit (extproc/scheduler/adaptive.py), which the factor only lowers.
+  budget. A light tenant's tier names what it watches (`LatencyDelta` in
+  extproc/policy/model.py): the TTFT δ against `first_token`, the k-th token's lag against
+  `every_token`, each gap's δ against `token_gap`. A sample above its objective cuts f by
+  `DECREASE` (at most once per `COOLDOWN_S`); one below half its objective raises it by
+  `INCREASE_PER_S` per second of such slack (AIMD). Light tenants are never held back by
+  it; the engines' own waiting queue stays with the adaptive limit
+  (extproc/scheduler/adaptive.py), which the factor only lowers.
 """
 
 from __future__ import annotations

@@ -4,6 +4,7 @@ real usage, and freeing the lease's capacity exactly once."""
 from __future__ import annotations
 
 from extproc.endpoints import EndpointClass
+from extproc.policy.model import LatencyDelta
 from extproc.scheduler.latency import IDLE_INFLIGHT, LOW_BATCH
 from extproc.scheduler.live import Live, below_class_concurrency, below_concurrency
 from extproc.scheduler.pools import PoolState
@@ -110,7 +111,9 @@ class Leases:
         if alone is not None:
             lag = ttft - alone
             self._live.delta_of(held.lease.tenant).ttft.add(lag, now)
-            self._steer(pool, held, lag, now)
+            objective = self._objective(held)
+            if objective is not None:
+                self._steer(pool, lag, objective.first_token, now)
         if held.alone_sample:
             pool.alone.observe_ttft(prompt, ttft)
 
@@ -134,18 +137,29 @@ class Leases:
         if step is None:
             return
         self._live.delta_of(held.lease.tenant).tokens.add(gap - step, now)
-        first = alone.ttft(held.ticket.input_tokens)
-        if first is not None:
-            lag = now - self._submitted_at(held) - (first + (held.output_seen - 1) * step)
-            self._steer(pool, held, lag, now)
-
-    def _steer(self, pool: PoolState, held: LeaseState, lag: float, now: float) -> None:
-        """A light tenant's lag drives the pool's δ controller, against its tier's objective."""
-        if not held.light:
+        objective = self._objective(held)
+        if objective is None:
             return
+        self._steer(pool, gap - step, objective.token_gap, now)
+        first = alone.ttft(held.ticket.input_tokens)
+        if first is not None and objective.every_token is not None:
+            lag = now - self._submitted_at(held) - (first + (held.output_seen - 1) * step)
+            self._steer(pool, lag, objective.every_token, now)
+
+    def _objective(self, held: LeaseState) -> LatencyDelta | None:
+        """The δ objectives of a light tenant's tier (a backlogged tenant's lag steers
+        nothing)."""
+        if not held.light:
+            return None
         options = self._live.policy.source.tier_options.get(held.lease.tier)
-        if options is not None and options.latency_delta is not None:
-            pool.delta.observe(lag, options.latency_delta, now)
+        return None if options is None else options.latency_delta
+
+    @staticmethod
+    def _steer(pool: PoolState, lag: float, objective: float | None, now: float) -> None:
+        """A light tenant's lag drives the pool's δ controller, against one of its tier's
+        objectives (None: that kind of token is not watched)."""
+        if objective is not None:
+            pool.delta.observe(lag, objective, now)
 
     def charge_output(self, held: LeaseState, tokens: int, now: float) -> None:
         if tokens <= 0:

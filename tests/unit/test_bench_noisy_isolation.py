@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from extproc.policy import policy_from_text
+from extproc.policy.model import LatencyDelta
 from gateway_lab.bench.noisy import Timing, plan_arms, policy_text
 from gateway_lab.bench.noisy_isolation import Isolation, isolation_verdicts, with_warmup
 
@@ -18,7 +19,9 @@ def test_arms_and_their_policies() -> None:
     delta = policy_from_text(policy_text("127.0.0.1:1", arms["delta-1s"]))
     assert delta.pools["main"].engine_priority is True
     assert delta.pools["main"].effective_prefill_budget == 1024
-    assert delta.source.tier_options["standard"].latency_delta == 1.0
+    assert delta.source.tier_options["standard"].latency_delta == LatencyDelta(
+        first_token=1.0, every_token=1.0
+    )
     full = policy_from_text(policy_text("127.0.0.1:1", arms["full"]))
     assert full.source.tier_options == {}
 

@@ -68,6 +68,10 @@ def test_policy_check_explains_the_isolation_settings() -> None:
     keys = "engine_priority: false, prefill_budget_tokens: 0"
     assert describe_isolation(policy_from_text(_text(keys, options)).source) == [
         "pool p: engine priority off, prefill pacing off (set)",
-        "tier standard: latency_delta 150 ms: a light tenant's lag behind alone steers the "
-        "backlogged tenants' share of its pools",
+        "tier standard: latency_delta first_token 150 ms, every_token 150 ms: a light "
+        "tenant's lag behind alone steers the backlogged tenants' share of its pools",
     ]
+    options = "tier_options: {standard: {latency_delta: {token_gap: 20ms}}}\n"
+    assert describe_isolation(policy_from_text(_text(keys, options)).source)[1].startswith(
+        "tier standard: latency_delta token_gap 20 ms: a light tenant's lag"
+    )

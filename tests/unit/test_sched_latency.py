@@ -186,3 +186,96 @@ def test_a_tightened_pool_keeps_the_quiet_tenant_light() -> None:
     for i in range(3):
         assert sched.submit(Ticket(f"quiet{i}", "quiet", "p", 100, 100)) is None
     assert [a.ticket.tenant for a in sched.dispatch()] == ["quiet"] * 3
+
+
+def _learn_alone_step(sched: Scheduler, clock: ManualClock, step: float = 0.02) -> None:
+    lone = _one(sched, "lone", "solo")
+    for _ in range(5):  # the first chunk starts the clock; 4 gaps at batch 1
+        clock.advance(step)
+        sched.charge_output(lone.lease.lease_id, 1)
+    sched.release(lone.lease.lease_id)
+
+
+def _quiet_beside_a_flood(
+    sched: Scheduler, clock: ManualClock, ttft: float, gap: float
+) -> dict[str, float]:
+    """A light request beside six flooder ones: its first token after `ttft`, then three
+    tokens `gap` apart; the pool's controller state after it."""
+    _learn_alone(sched, clock)  # TTFT 50 ms alone
+    _learn_alone_step(sched, clock)  # 20 ms per token alone
+    for i in range(20):
+        assert sched.submit(Ticket(f"f{i}", "flood", "p", 100, 100)) is None
+    assert len(sched.dispatch()) == 6
+    quiet = _one(sched, "q", "quiet")
+    clock.advance(ttft)
+    sched.charge_output(quiet.lease.lease_id, 1)
+    for _ in range(3):
+        clock.advance(gap)
+        sched.charge_output(quiet.lease.lease_id, 1)
+    pool = sched.snapshot()["pools"]["p"]
+    return {"factor": pool["delta_factor"], "violations": pool["delta_violations"]}
+
+
+@pytest.mark.parametrize(
+    ("objective", "steered"),
+    [("100ms", True), ("{every_token: 100ms}", True), ("{token_gap: 50ms}", True),
+     ("{first_token: 100ms}", False)],
+)  # fmt: skip
+def test_a_first_token_objective_lets_a_slow_stream_be(objective: str, steered: bool) -> None:
+    """On time first token, then 200 ms per token against 20 ms alone: only the objectives
+    that watch later tokens tighten the backlogged share."""
+    sched, clock = _scheduler(objective)
+    state = _quiet_beside_a_flood(sched, clock, ttft=0.05, gap=0.2)
+    if steered:
+        assert state["violations"] >= 1 and state["factor"] <= DECREASE
+    else:
+        assert state == {"factor": 1.0, "violations": 0}
+
+
+@pytest.mark.parametrize(
+    ("objective", "steered"),
+    [("100ms", True), ("{first_token: 100ms}", True), ("{token_gap: 50ms}", False)],
+)
+def test_a_token_gap_objective_lets_a_late_first_token_be(objective: str, steered: bool) -> None:
+    """The first token 950 ms late, then tokens at the alone step: the gap objective sees no
+    violation, the first-token and the default (first and every token) objectives do."""
+    sched, clock = _scheduler(objective)
+    state = _quiet_beside_a_flood(sched, clock, ttft=1.0, gap=0.02)
+    if steered:
+        assert state["violations"] >= 1 and state["factor"] <= DECREASE
+    else:
+        assert state == {"factor": 1.0, "violations": 0}
+
+
+def test_one_duration_watches_the_first_token_and_every_token() -> None:
+    sched, _ = _scheduler("150ms")
+    delta = sched.policy.source.tier_options["standard"].latency_delta
+    assert delta is not None
+    assert (delta.first_token, delta.every_token, delta.token_gap) == (0.15, 0.15, None)
+
+
+@pytest.mark.parametrize(
+    ("value", "field", "message"),
+    [
+        ("{}", "tier_options.standard.latency_delta", "set at least one of first_token"),
+        ("{first_token: 0s}", "tier_options.standard.latency_delta.first_token", "greater"),
+        ("{token_gap: soon}", "tier_options.standard.latency_delta.token_gap", "invalid"),
+        ("{ttft: 100ms}", "tier_options.standard.latency_delta.ttft", "unknown key"),
+    ],
+)
+def test_the_objective_mapping_is_strict_with_file_line(
+    value: str, field: str, message: str
+) -> None:
+    text = f"""\
+version: 1
+tiers: [standard]
+tier_options:
+  standard: {{latency_delta: {value}}}
+tenants: {{a: {{tier: standard}}}}
+pools:
+  p: {{max_total_tokens: 100, max_inflight: 4, max_inflight_tokens: 1000, endpoints: ["h:1"]}}
+"""
+    with pytest.raises(PolicyError) as caught:
+        policy_from_text(text, "p.yaml")
+    issues = [str(issue) for issue in caught.value.issues]
+    assert any(i.startswith(f"p.yaml:4: {field}:") and message in i for i in issues), issues
