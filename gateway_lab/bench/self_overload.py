@@ -30,7 +30,7 @@ import math
 import os
 import random
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -43,6 +43,7 @@ from gateway_lab.bench.cores import CoreSplit, descendants, pin, split_cores
 from gateway_lab.bench.kvwarden_front import DEFAULT_VENV, kvwarden_front
 from gateway_lab.bench.loadgen import Load, open_loop
 from gateway_lab.bench.monitor import log, wait_engines_idle
+from gateway_lab.bench.noisy_isolation import prime_alone
 from gateway_lab.bench.records import RECORD_COLUMNS, Meter, Record, Spec
 from gateway_lab.bench.stack import PROFILE, Gateway, cpu_seconds, engine_set, gateway_stack
 from gateway_lab.bench.stats import fmt, status_counts, ttft_stats, within
@@ -101,6 +102,10 @@ class Arm:
     accounting_process: bool = True
     """The service's accounting streams in their own process (`serve --accounting-grpc`);
     False: on the admission process's event loop (`-inproc` arms, the layout before)."""
+    first_token_delta: str | None = None
+    """The tier's δ objective on the first token (`latency_delta: {first_token: D}`); the
+    arm first sends a few quiet requests one at a time, so the gateway learns the alone
+    TTFT."""
 
 
 ARMS = (
@@ -113,6 +118,7 @@ ARMS = (
     Arm("room-fifo", "straight", "room"),
     Arm("room-full", "service", "room"),
     Arm("room-inproc", "service", "room", accounting_process=False),
+    Arm("room-kvwarden", "kvwarden", "room"),
     Arm("over-fifo", "straight", "over"),
     Arm("over-noop", "noop", "over"),
     Arm("over-kvwarden", "kvwarden", "over"),
@@ -138,12 +144,28 @@ class CompletionSpec(Spec):
         return orjson.dumps(body)
 
 
-def policy_text(endpoint: str) -> str:
-    """Our full policy: the defaults (DRR, headroom, adaptive soft limit, overload shedding)."""
+DEFAULT_FIRST_TOKEN_DELTAS = ("10ms", "30ms")
+"""The first-token objectives of the `room-first-D` arms (`--first-token-deltas`)."""
+
+
+def delta_arms(deltas: Sequence[str]) -> tuple[Arm, ...]:
+    """`room-first-D`: the room load, our policy with a first-token objective D (issue 15's
+    target on kvwarden's workload)."""
+    return tuple(Arm(f"room-first-{d}", "service", "room", first_token_delta=d) for d in deltas)
+
+
+def policy_text(endpoint: str, first_token_delta: str | None = None) -> str:
+    """Our full policy: the defaults (DRR, headroom, adaptive soft limit, overload shedding),
+    and a first-token δ objective if given."""
+    objective = (
+        f"tier_options: {{standard: {{latency_delta: {{first_token: {first_token_delta}}}}}}}\n"
+        if first_token_delta
+        else ""
+    )
     return f"""\
 version: 1
 tiers: [standard]
-tenants:
+{objective}tenants:
   quiet: {{tier: standard, api_keys: ["{hash_key(KEYS["quiet"])}"]}}
   flooder: {{tier: standard, api_keys: ["{hash_key(KEYS["flooder"])}"]}}
 pools:
@@ -180,7 +202,7 @@ def front(arm: Arm, workdir: Path, endpoint: str, kvwarden_venv: Path) -> Iterat
     edit = phases.timed_bootstrap  # every Envoy arm logs; the alone arms' phases are the table
     with gateway_stack(
         workdir / arm.name,
-        policy_text(endpoint),
+        policy_text(endpoint, arm.first_token_delta),
         FRONTS[arm.front],
         bootstrap_edit=edit,
         accounting_process=arm.accounting_process,
@@ -213,7 +235,6 @@ async def drive(
 ) -> dict[str, Any]:
     url = gateway.base_url + "/v1/completions"
     meter = Meter(bin_s=0.5)
-    end = timing.warmup_s + timing.measure_s
     cpu: dict[str, dict[str, float]] = {}
 
     async def sample_cpu() -> None:
@@ -224,22 +245,34 @@ async def drive(
 
     async with Load(url, meter, request_timeout_s=timing.measure_s + 60.0) as load:
         quiet = maker("quiet", work.quiet_output, work, seed, arm.include_usage)
+        if arm.first_token_delta is not None:
+            await prime_alone(load, quiet)
+        began = load.now()  # the load starts after the priming requests
+        end = began + timing.warmup_s + timing.measure_s
         jobs = [
-            open_loop(load, quiet, work.quiet_rate, end, seed=seed + 1, grace_s=timing.grace_s),
+            open_loop(load, quiet, work.quiet_rate, end, seed=seed + 1, start=began,
+                      grace_s=timing.grace_s),
             sample_cpu(),
-        ]
+        ]  # fmt: skip
         if arm.load != "alone":
             rate, output = work.flood(arm.load)
             flooder = maker("flooder", output, work, seed + 2, arm.include_usage)
-            jobs.append(open_loop(load, flooder, rate, end, seed=seed + 3, grace_s=0.0))
+            jobs.append(
+                open_loop(load, flooder, rate, end, seed=seed + 3, start=began, grace_s=0.0)
+            )
         await asyncio.gather(*jobs)
-        return summarize(arm, load.records, timing, cpu)
+        return summarize(arm, load.records, timing, cpu, began)
 
 
 def summarize(
-    arm: Arm, records: list[Record], timing: Timing, cpu: dict[str, dict[str, float]]
+    arm: Arm,
+    records: list[Record],
+    timing: Timing,
+    cpu: dict[str, dict[str, float]],
+    began: float = 0.0,
 ) -> dict[str, Any]:
-    start, end = timing.warmup_s, timing.warmup_s + timing.measure_s
+    start = began + timing.warmup_s
+    end = start + timing.measure_s
     quiet = within(records, "quiet", start, end)
     flooder = within(records, "flooder", start, end)
     refused = [r for r in flooder if r.status not in (200, 0)]
@@ -254,6 +287,7 @@ def summarize(
         "quiet": {**ttft_stats(quiet), "status": answers(quiet)},
         "quiet_failed": sum(1 for r in quiet if r.status != 200 or r.censored),
         "flooder": {**ttft_stats(flooder), "status": answers(flooder)},
+        "flooder_output_tok_s": sum(r.output_tokens for r in flooder) / timing.measure_s,
         "flooder_refused_without_retry_after": sum(
             1 for r in refused if r.status in (429, 503) and r.retry_after is None
         ),
@@ -321,6 +355,7 @@ def compare(results: dict[str, dict[str, Any]]) -> dict[str, Any]:
             "added_p99_ms": r["quiet"]["p99_ms"] - solo_p99,
             "quiet_failed": r["quiet_failed"],
             "flooder_status": r["flooder"]["status"],
+            "flooder_output_tok_s": r.get("flooder_output_tok_s", math.nan),
             "cpu_cores": r["cpu_cores"],
         }
         for name, r in results.items()
@@ -345,21 +380,45 @@ def compare(results: dict[str, dict[str, Any]]) -> dict[str, Any]:
             seen <= {"200", "429", "503", "cut"}
             and over["flooder_refused_without_retry_after"] == 0
         )
+    targets.update(kvwarden_workload_targets(rows))
     return {"rows": rows, "targets": targets}
+
+
+TARGET_KVWARDEN_P99_RATIO = 1.10
+TARGET_KVWARDEN_FLOODER_MULTIPLE = 2.0
+KVWARDEN_WORKLOAD_TARGET = "kvwarden_workload_p99<=1.10x_solo_flooder>=2x_kvwarden's"
+
+
+def kvwarden_workload_targets(rows: dict[str, dict[str, Any]]) -> dict[str, bool]:
+    """Issue 15 on kvwarden's workload (the room load): per room arm of ours, quiet P99 <=
+    1.10x solo while the flooder gets at least twice the output tokens kvwarden's bucket
+    let through in the same run."""
+    peer = rows.get("room-kvwarden")
+    if peer is None:
+        return {}
+    floor = TARGET_KVWARDEN_FLOODER_MULTIPLE * peer["flooder_output_tok_s"]
+    return {
+        f"{KVWARDEN_WORKLOAD_TARGET}:{name}": bool(
+            row["p99_x_solo"] <= TARGET_KVWARDEN_P99_RATIO and row["flooder_output_tok_s"] >= floor
+        )
+        for name, row in rows.items()
+        if name.startswith("room-") and name not in ("room-fifo", "room-kvwarden")
+    }
 
 
 def print_table(summary: dict[str, Any], results: dict[str, dict[str, Any]]) -> None:
     rows = summary["rows"]
     print(
-        f"\n{'arm':20} {'quiet p50':>10} {'p99':>9} {'p50 x':>6} {'p99 x':>6} {'failed':>6}  "
-        f"flooder answers / cpu cores"
+        f"\n{'arm':20} {'quiet p50':>10} {'p99':>9} {'p50 x':>6} {'p99 x':>6} {'failed':>6} "
+        f"{'flood tok/s':>11}  flooder answers / cpu cores"
     )
     for name, row in rows.items():
         cpu = " ".join(f"{k.split()[0]} {v:.2f}" for k, v in row["cpu_cores"].items())
         print(
             f"{name:20} {fmt(row['quiet_p50_ms']):>8}ms {fmt(row['quiet_p99_ms']):>7}ms "
             f"{fmt(row['p50_x_solo'], 2):>6} {fmt(row['p99_x_solo'], 2):>6} "
-            f"{row['quiet_failed']:>6}  {row['flooder_status'] or '-'} / {cpu}"
+            f"{row['quiet_failed']:>6} {fmt(row['flooder_output_tok_s'], 0):>11}  "
+            f"{row['flooder_status'] or '-'} / {cpu}"
         )
     phased = {n: r["phases"] for n, r in results.items() if "phases" in r}
     phases.print_breakdown(phased)
@@ -433,7 +492,15 @@ def run(
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     scenario.add_scenario_arguments(parser, DEFAULT_OUT, "measured seconds per arm")
-    parser.add_argument("--arms", help=f"comma-separated subset of {[a.name for a in ARMS]}")
+    parser.add_argument(
+        "--arms",
+        help=f"comma-separated subset of {[a.name for a in ARMS]} and room-first-D for each D "
+        "of --first-token-deltas",
+    )
+    parser.add_argument(
+        "--first-token-deltas", default=",".join(DEFAULT_FIRST_TOKEN_DELTAS),
+        help="first-token objectives of the room-first-D arms (default %(default)s)",
+    )  # fmt: skip
     parser.add_argument("--kvwarden-venv", type=Path, default=DEFAULT_VENV)
     parser.add_argument("--no-kvwarden", action="store_true", help="skip the kvwarden arms")
     parser.add_argument("--over-rate", type=float, help="flooder requests/s in `over` (48)")
@@ -451,10 +518,12 @@ def main(args: argparse.Namespace) -> int:
     work = Workload()
     if args.over_rate:
         work = replace(work, over_rate=args.over_rate)
-    arms = list(ARMS)
+    deltas = [d.strip() for d in args.first_token_deltas.split(",") if d.strip()]
+    every = (*ARMS, *delta_arms(deltas))
+    arms = list(every)
     if args.arms:
         wanted = [a.strip() for a in args.arms.split(",") if a.strip()]
-        known = {a.name: a for a in ARMS}
+        known = {a.name: a for a in every}
         unknown = [a for a in wanted if a not in known]
         if unknown:
             raise SystemExit(f"unknown arms {unknown}; known: {list(known)}")

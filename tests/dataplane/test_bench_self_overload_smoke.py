@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from gateway_lab.bench import self_overload
+from gateway_lab.bench.noisy_isolation import ALONE_PRIMING
 
 pytestmark = [pytest.mark.smoke, pytest.mark.dataplane, pytest.mark.plots]
 
@@ -22,14 +23,14 @@ def test_self_overload_quick(tmp_path: Path, capsys: pytest.CaptureFixture[str])
     args = parser.parse_args(
         [
             "--quick", "--out", str(out), "--workdir", str(tmp_path / "w"), "--no-kvwarden",
-            "--arms", "alone-straight,alone-service,room-full",
+            "--arms", "alone-straight,alone-service,room-full,room-first-30ms",
         ]
     )  # fmt: skip
     assert self_overload.main(args) == 0
     printed = capsys.readouterr().out
     data = json.loads((out / "results.json").read_text())
     assert data["scenario"] == "self-overload"
-    assert set(data["arms"]) == {"alone-straight", "alone-service", "room-full"}
+    assert set(data["arms"]) == {"alone-straight", "alone-service", "room-full", "room-first-30ms"}
     for result in data["arms"].values():
         assert {"p50_ms", "p99_ms", "count"} <= set(result["quiet"])
         assert result["records"]["rows"], "no request was recorded"
@@ -39,5 +40,11 @@ def test_self_overload_quick(tmp_path: Path, capsys: pytest.CaptureFixture[str])
     assert "request -> upstream (ext_proc headers + body)" in phases["steps_ms"]
     assert "flooder" in json.dumps(data["arms"]["room-full"]["envoy_details"])
     assert isinstance(data["summary"]["targets"]["added_p50_ms<=1.0"], bool)
+    # the δ arm primed the alone model before its load (six quiet requests before the window)
+    first = data["arms"]["room-first-30ms"]
+    assert first["flooder_output_tok_s"] > 0
+    rows = sorted(first["records"]["rows"], key=lambda row: row[1])  # by start
+    before_flood = next(i for i, row in enumerate(rows) if row[0] == "flooder")
+    assert before_flood >= ALONE_PRIMING and {row[0] for row in rows[:before_flood]} == {"quiet"}
     assert (out / "self-overload.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "per-phase medians" in printed and "targets:" in printed

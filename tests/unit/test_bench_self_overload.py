@@ -17,7 +17,14 @@ from extproc.policy import policy_from_text
 from gateway_lab.bench import phases
 from gateway_lab.bench.cores import descendants, pin, split_cores
 from gateway_lab.bench.kvwarden_front import Bucket, config_text
-from gateway_lab.bench.self_overload import ARMS, CompletionSpec, compare, policy_text
+from gateway_lab.bench.self_overload import (
+    ARMS,
+    KVWARDEN_WORKLOAD_TARGET,
+    CompletionSpec,
+    compare,
+    delta_arms,
+    policy_text,
+)
 from gateway_lab.processes import envoy_binary
 
 
@@ -122,3 +129,40 @@ def test_targets_read_from_the_arms() -> None:
     assert targets["over_zero_failed_quiet"]
     assert not targets["over_flooder_only_200_429_503_with_retry_after"]  # a 504
     assert {a.name for a in ARMS} >= {"alone-straight", "over-full", "over-kvwarden"}
+
+
+def _row(p99: float, flooder_tok_s: float) -> dict[str, object]:
+    return {
+        "quiet": {"p50_ms": 30.0, "p99_ms": p99}, "quiet_failed": 0,
+        "flooder": {"status": {"200": 1}}, "flooder_refused_without_retry_after": 0,
+        "cpu_cores": {}, "flooder_output_tok_s": flooder_tok_s,
+    }  # fmt: skip
+
+
+def test_kvwarden_workload_target_needs_the_tail_and_twice_the_peers_flooder_tokens() -> None:
+    targets = compare(
+        {
+            "alone-straight": _row(40.0, 0.0),
+            "room-kvwarden": _row(42.0, 600.0),
+            "room-fifo": _row(48.0, 2000.0),
+            "room-full": _row(60.0, 2000.0),  # 1.5x solo: the tail misses
+            "room-first-10ms": _row(43.0, 1300.0),  # 1.075x and 2.17x kvwarden's tokens
+            "room-first-30ms": _row(43.0, 1100.0),  # the tail holds, too few tokens
+        }
+    )["targets"]
+    mine = {
+        key.split(":")[1]: met
+        for key, met in targets.items()
+        if key.startswith(KVWARDEN_WORKLOAD_TARGET)
+    }
+    assert mine == {"room-full": False, "room-first-10ms": True, "room-first-30ms": False}
+
+
+def test_delta_arms_write_a_first_token_objective_and_prime_the_alone_model() -> None:
+    (arm,) = delta_arms(["25ms"])
+    assert arm.name == "room-first-25ms" and arm.load == "room" and arm.front == "service"
+    policy = policy_from_text(policy_text("127.0.0.1:1", arm.first_token_delta))
+    delta = policy.source.tier_options["standard"].latency_delta
+    assert delta is not None
+    assert (delta.first_token, delta.every_token, delta.token_gap) == (0.025, None, None)
+    assert policy_from_text(policy_text("127.0.0.1:1")).source.tier_options == {}
