@@ -52,6 +52,10 @@ BENCH_SCENARIOS = {
         "lowload",
         "what the gateway adds at 1 request/s, per phase: straight, do-nothing, mimic, ours",
     ),
+    "kvwarden-published": (
+        "kvwarden_published",
+        "kvwarden's published per-request CSVs: the tail over the whole run vs after a warm-up",
+    ),
     "self-overload": (
         "self_overload",
         "a quiet tenant while the gateway itself is overloaded; kvwarden peer; phase timings",
