@@ -79,6 +79,7 @@ _NOT_JSON_RESPONSE = (
     f"!response.headers['content-type'].startsWith('{_JSON}')"
 )
 _CEL_FILTER = "envoy.access_loggers.extension_filters.cel"
+_ADMISSION_TOO_LATE = "response.code_details.startsWith('ext_proc_error_per-message_timeout')"
 
 # (status, message, type, code) for each answer Envoy may write itself.
 _ENVOY_ANSWERS = (
@@ -123,9 +124,31 @@ def _status_is(status: int) -> AccessLogFilter:
 
 
 def _response_not_json() -> AccessLogFilter:
-    cel = ExpressionFilter(expression=_NOT_JSON_RESPONSE)
+    return _cel(_NOT_JSON_RESPONSE)
+
+
+def _cel(expression: str) -> AccessLogFilter:
+    cel = ExpressionFilter(expression=expression)
     return AccessLogFilter(
         extension_filter=ExtensionFilter(name=_CEL_FILTER, typed_config=AnyProto.pack(cel))
+    )
+
+
+def _admission_too_late() -> ResponseMapper:
+    """Envoy answers 504 when the admission service misses `message_timeout` (its CPU
+    saturated, say). No engine was asked: the gateway is overloaded, so the client gets a 503
+    with Retry-After, as the service's own overload answers do, not "upstream timed out"."""
+    return ResponseMapper(
+        filter=AccessLogFilter(
+            and_filter=AndFilter(filters=[_cel(_ADMISSION_TOO_LATE), _response_not_json()])
+        ),
+        status_code=503,
+        body_format_override=_json_format(
+            openai_error(
+                "the gateway is overloaded, retry shortly", "service_unavailable", "overloaded"
+            )
+        ),
+        headers_to_add=_retry_after(),
     )
 
 
@@ -137,7 +160,8 @@ def _retry_after() -> list[HeaderValueOption]:
 
 def local_replies() -> LocalReplyConfig:
     """Known statuses get their own type and code; any other non-JSON answer the last one."""
-    mappers = [
+    mappers = [_admission_too_late()]
+    mappers += [
         ResponseMapper(
             filter=AccessLogFilter(
                 and_filter=AndFilter(filters=[_status_is(status), _response_not_json()])

@@ -165,14 +165,20 @@ def test_local_replies_test_the_response_not_the_request() -> None:
         assert body["contentType"] == "application/json"
         assert set(body["jsonFormat"]["error"]) == {"message", "type", "code", "param"}
     statuses = {
-        m["filter"]["andFilter"]["filters"][0]["statusCodeFilter"]["comparison"]["value"][
-            "defaultValue"
-        ]
+        f["statusCodeFilter"]["comparison"]["value"]["defaultValue"]
         for m in mappers
         if "andFilter" in m["filter"]
+        for f in m["filter"]["andFilter"]["filters"]
+        if "statusCodeFilter" in f
     }
     assert {400, 404, 405, 413, 429, 500, 502, 503, 504} <= statuses
     assert "andFilter" not in mappers[-1]["filter"]  # the catch-all for any other status
+    # first: the admission service too late for message_timeout is a 503, not Envoy's 504
+    late = mappers[0]
+    assert "ext_proc_error_per-message_timeout" in json.dumps(late["filter"])
+    assert late["statusCode"] == 503
+    assert late["bodyFormatOverride"]["jsonFormat"]["error"]["code"] == "overloaded"
+    assert [h["header"]["key"] for h in late["headersToAdd"]] == ["retry-after"]
 
 
 def test_listener_refuses_port_reuse() -> None:
