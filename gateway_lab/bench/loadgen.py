@@ -1,10 +1,11 @@
 """One load generator for OpenAI-style streamed chat requests, closed-loop or open-loop.
 
 `Load` sends requests through one gateway and records each one (`Record`: the time of the first
-SSE data chunk, output tokens counted as chunks arrive, the gateway's queue wait), feeding a
-`Meter`. `closed_loop` keeps N clients sending back to back (honouring `Retry-After`);
-`open_loop` sends Poisson arrivals whatever the answers. `summarize` gives the latency and
-throughput figures of a run.
+SSE data chunk, output tokens counted as chunks arrive, the gateway's queue wait, and for the
+tenants named in `gap_tenants` the arrival time and tokens of every output chunk, from which
+every inter-token gap is measured), feeding a `Meter`. `closed_loop` keeps N clients sending
+back to back (honouring `Retry-After`); `open_loop` sends Poisson arrivals whatever the
+answers. `summarize` gives the latency and throughput figures of a run.
 """
 
 from __future__ import annotations
@@ -14,11 +15,11 @@ import math
 import random
 import statistics
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Collection, Sequence
 
 import aiohttp
 
-from gateway_lab.bench.records import Meter, Record, Spec, percentile
+from gateway_lab.bench.records import Chunks, Meter, Record, Spec, percentile
 
 
 class Load:
@@ -30,10 +31,13 @@ class Load:
         meter: Meter,
         t0: float | None = None,
         request_timeout_s: float | None = None,
+        gap_tenants: Collection[str] = (),
     ) -> None:
         """`request_timeout_s`: the longest a request may take (None: no limit, for the
-        tenant scenarios whose requests may queue for minutes)."""
+        tenant scenarios whose requests may queue for minutes). `gap_tenants`: the tenants
+        whose records keep every output chunk's arrival (`Record.chunks`)."""
         self.url = url
+        self.gap_tenants = frozenset(gap_tenants)
         self.request_timeout_s = request_timeout_s
         self.meter = meter
         self.t0 = time.perf_counter() if t0 is None else t0
@@ -84,6 +88,7 @@ class Load:
         record = Record(
             spec.tenant, self.now(), 0, None, 0.0, spec.prompt_tokens, 0, None, spec.max_tokens
         )
+        chunks = record.chunks = Chunks() if spec.tenant in self.gap_tenants else None
         self.pending[ident] = record
         self.sent[spec.tenant] = self.sent.get(spec.tenant, 0) + 1
         try:
@@ -93,7 +98,7 @@ class Load:
                 record.queue_ms = float(queue) if queue else None
                 retry = response.headers.get("retry-after")
                 record.retry_after = float(retry) if retry else None
-                carry = b""
+                counter = TokenEvents()
                 async for chunk in response.content.iter_any():
                     at = self.now()
                     record.events += chunk.count(b"data: ")
@@ -102,12 +107,12 @@ class Load:
                         meter.first_token(spec.tenant, at, spec.prompt_tokens)
                     if response.status != 200:
                         continue
-                    events = (carry + chunk).split(b"\n\n")
-                    carry = events.pop()
-                    tokens = sum(1 for event in events if _is_token(event))
+                    tokens = counter.feed(chunk)
                     if tokens:
                         record.output_tokens += tokens
                         meter.output(spec.tenant, at, tokens)
+                        if chunks is not None:
+                            chunks.add(at, tokens)
                 record.complete = True
         except (aiohttp.ClientError, TimeoutError, OSError):
             record.status = record.status or 0
@@ -117,6 +122,22 @@ class Load:
             record.end = self.now()
             self.records.append(record)
         return record
+
+
+class TokenEvents:
+    """Counts the output-token events of one SSE body, read by read (an event may be split
+    across reads: its start waits for the next one)."""
+
+    __slots__ = ("_carry",)
+
+    def __init__(self) -> None:
+        self._carry = b""
+
+    def feed(self, data: bytes) -> int:
+        """The output tokens whose events this read completes."""
+        events = (self._carry + data).split(b"\n\n")
+        self._carry = events.pop()
+        return sum(1 for event in events if _is_token(event))
 
 
 def _is_token(event: bytes) -> bool:

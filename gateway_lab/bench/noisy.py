@@ -27,10 +27,10 @@ FIFO they queue inside the engine). One emulated A100 / Llama-3.1-8B engine
   request gets alone only while the pool is nearly idle, which the flooder never allows.
 
 For each arm: the quiet tenant's P50/P99 time to the first streamed SSE data chunk and their
-ratio to "alone" on the same path, its P99 time per output token after the first (TPOT) and
-that ratio, the flooder's and the total output tokens/s and the total
-against FIFO. The target (docs/benchmarks.md) is a full-policy P99 ratio <= 1.10 with a total
-throughput >= 95% of FIFO.
+ratio to "alone" on the same path, the P99 of every inter-token gap of its responses (gap99)
+and of their per-response time per output token (TPOT) and those ratios, the flooder's and
+the total output tokens/s and the total against FIFO. The target (docs/benchmarks.md) is a
+full-policy P99 ratio <= 1.10 with a total throughput >= 95% of FIFO.
 
 `extproc bench noisy-neighbour [--out results/noisy-neighbour] [--quick]`
 """
@@ -62,10 +62,10 @@ from gateway_lab.bench.noisy_isolation import (
     with_warmup,
 )
 from gateway_lab.bench.noisy_plot import TARGET_RATIO, TARGET_THROUGHPUT, plot
-from gateway_lab.bench.noisy_table import print_table
+from gateway_lab.bench.noisy_table import inter_token_row, print_table
 from gateway_lab.bench.records import RECORD_COLUMNS, Meter, Spec, prompt_text
 from gateway_lab.bench.stack import PROFILE, EngineSet, Gateway
-from gateway_lab.bench.stats import fmt, status_counts, tpot_stats, ttft_stats, within
+from gateway_lab.bench.stats import fmt, gap_stats, status_counts, tpot_stats, ttft_stats, within
 
 NAME = "noisy-neighbour"
 DEFAULT_OUT = Path("results/noisy-neighbour")
@@ -260,7 +260,7 @@ async def drive_arm(
     arm: Arm, gateway: Gateway, engines: EngineSet, work: Workload, timing: Timing, seed: int
 ) -> dict[str, Any]:
     meter = Meter(bin_s=0.5)
-    async with Load(gateway.url, meter) as load:
+    async with Load(gateway.url, meter, gap_tenants=("quiet",)) as load:
         if arm.flooder_rpm is not None:
             tiny = Spec("drain", KEYS["flooder"], prompt_text(8, random.Random(seed)), 8, 1)
             drained = await drain_bucket(load, lambda _i: tiny, arm.flooder_rpm)
@@ -311,6 +311,7 @@ def summarize_arm(
         "prefill_budget": arm.prefill_budget,
         "latency_delta": arm.latency_delta,
         "quiet_tpot": tpot_stats(quiet),
+        "quiet_gaps": gap_stats(quiet),
         "delta_factor_mean": sum(factors) / len(factors) if factors else None,
         "path": arm.path,
         "reference": arm.reference,
@@ -364,10 +365,8 @@ def compare(results: dict[str, dict[str, Any]]) -> dict[str, Any]:
         reference = results.get(result["reference"])
         ref_p50 = reference["quiet"]["p50_ms"] if reference else math.nan
         ref_p99 = reference["quiet"]["p99_ms"] if reference else math.nan
-        ref_tpot = reference["quiet_tpot"]["p99_ms"] if reference else math.nan
         rows[name] = {
-            "quiet_tpot_p99_ms": result["quiet_tpot"]["p99_ms"],
-            "tpot_p99_ratio": result["quiet_tpot"]["p99_ms"] / ref_tpot,
+            **inter_token_row(result, reference),
             "quiet_p50_ms": result["quiet"]["p50_ms"],
             "quiet_p99_ms": result["quiet"]["p99_ms"],
             "p50_ratio": result["quiet"]["p50_ms"] / ref_p50,

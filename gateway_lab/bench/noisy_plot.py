@@ -1,4 +1,6 @@
-"""The noisy-neighbour plot: quiet TTFT per arm, tokens/s, the trade-off curve, engine queues."""
+"""The noisy-neighbour plot: quiet TTFT per arm, tokens/s, the trade-off curve, engine queues,
+and the quiet tenant's inter-token gaps (every-gap P99 against alone, per arm and against
+throughput)."""
 
 from __future__ import annotations
 
@@ -19,6 +21,9 @@ _COLORS = {
 }  # fmt: skip
 ISOLATION_TTFT_RATIO = 2.0
 """Issue 15's quiet P99 TTFT target (gateway_lab/bench/noisy_isolation.py)."""
+ISOLATION_GAP_RATIO = 1.5
+"""Issue 15's quiet P99 inter-token gap target: the P99 of every gap (`stats.gap_stats`), not
+the per-response time per output token."""
 
 
 def plot(results: dict[str, dict[str, Any]], summary: dict[str, Any], path: Path) -> None:
@@ -26,7 +31,7 @@ def plot(results: dict[str, dict[str, Any]], summary: dict[str, Any], path: Path
     rows = summary["rows"]
     names = list(results)
     colors = [_COLORS.get(results[n]["kind"], "#1f77b4") for n in names]
-    fig, axes = plt.subplots(2, 2, figsize=(13, 8.5))
+    fig, axes = plt.subplots(2, 3, figsize=(19, 8.5))
     ax = axes[0][0]
     xs = range(len(names))
     ax.bar([x - 0.2 for x in xs], [rows[n]["quiet_p50_ms"] for n in names], 0.4, label="P50",
@@ -88,4 +93,35 @@ def plot(results: dict[str, dict[str, Any]], summary: dict[str, Any], path: Path
     ax.set_xlabel("seconds")
     ax.set_title("engine batch and queue over time (full policy vs FIFO)")
     ax.legend(fontsize=8)
+    _inter_token(axes[0][2], axes[1][2], results, rows)
     save_figure(fig, path)
+
+
+def _inter_token(
+    bars: Any, tradeoff: Any, results: dict[str, dict[str, Any]], rows: dict[str, Any]
+) -> None:
+    """Per arm, the every-gap P99 ratio beside the TPOT P99 ratio; then the gap ratio against
+    throughput (the isolation target's plane)."""
+    names = list(results)
+    xs = range(len(names))
+    colors = [_COLORS.get(results[n]["kind"], "#1f77b4") for n in names]
+    bars.bar([x - 0.2 for x in xs], [rows[n]["gap_p99_ratio"] for n in names], 0.4,
+             color=colors, label="every gap P99")  # fmt: skip
+    bars.bar([x + 0.2 for x in xs], [rows[n]["tpot_p99_ratio"] for n in names], 0.4,
+             color=colors, alpha=0.45, label="per-response TPOT P99")  # fmt: skip
+    bars.axhline(ISOLATION_GAP_RATIO, ls=":", color="#8c564b", lw=0.8)
+    bars.set_title("quiet inter-token P99 / alone (dark every gap, light TPOT)")
+    bars.set_xticks(list(xs), names, rotation=30, ha="right")
+    for name in names:
+        row = rows[name]
+        if results[name]["kind"] == "alone" or math.isnan(row["throughput_vs_fifo"]):
+            continue
+        color = _COLORS.get(results[name]["kind"], "#1f77b4")
+        tradeoff.scatter(row["throughput_vs_fifo"] * 100, row["gap_p99_ratio"], color=color, s=40)
+        tradeoff.annotate(name, (row["throughput_vs_fifo"] * 100, row["gap_p99_ratio"]),
+                          fontsize=8, xytext=(4, 4), textcoords="offset points")  # fmt: skip
+    tradeoff.axhline(ISOLATION_GAP_RATIO, ls=":", color="#8c564b", lw=0.8)
+    tradeoff.axvline(TARGET_THROUGHPUT * 100, ls="--", color="green", lw=0.8)
+    tradeoff.set_xlabel("total output tokens/s, % of FIFO")
+    tradeoff.set_ylabel("quiet P99 inter-token gap / alone")
+    tradeoff.set_title("inter-token: right of 95%, below 1.5x (dotted)")

@@ -1,12 +1,18 @@
-"""The noisy-neighbour table printed at the end of a run (gateway_lab/bench/noisy.py)."""
+"""The noisy-neighbour report (gateway_lab/bench/noisy.py): an arm's inter-token figures
+against its reference, and the table printed at the end of a run."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Any, Protocol
 
-from gateway_lab.bench.noisy_isolation import ISOLATION_TPOT_RATIO
-from gateway_lab.bench.noisy_plot import ISOLATION_TTFT_RATIO, TARGET_RATIO, TARGET_THROUGHPUT
+from gateway_lab.bench.noisy_plot import (
+    ISOLATION_GAP_RATIO,
+    ISOLATION_TTFT_RATIO,
+    TARGET_RATIO,
+    TARGET_THROUGHPUT,
+)
 from gateway_lab.bench.stats import fmt
 
 
@@ -15,12 +21,29 @@ class _Named(Protocol):
     def name(self) -> str: ...
 
 
+def inter_token_row(result: dict[str, Any], reference: dict[str, Any] | None) -> dict[str, float]:
+    """The quiet tenant's P99 every-gap and per-response TPOT (ms) and their ratios to the same
+    figure of the arm's alone reference (`reference`: its result; None: NaN ratios)."""
+    gap = result["quiet_gaps"]["p99_ms"]
+    tpot = result["quiet_tpot"]["p99_ms"]
+    ref_gap = reference["quiet_gaps"]["p99_ms"] if reference else math.nan
+    ref_tpot = reference["quiet_tpot"]["p99_ms"] if reference else math.nan
+    return {
+        "quiet_gap_p50_ms": result["quiet_gaps"]["p50_ms"],
+        "quiet_gap_p99_ms": gap,
+        "gap_p99_ratio": gap / ref_gap,
+        "quiet_tpot_p99_ms": tpot,
+        "tpot_p99_ratio": tpot / ref_tpot,
+    }
+
+
 def print_table(summary: dict[str, Any], arms: Sequence[_Named]) -> None:
     """The noisy-neighbour table and its verdicts, as `compare` summarised them."""
     rows = summary["rows"]
     print(
         f"\n{'arm':14} {'quiet p50':>10} {'quiet p99':>10} {'p50 x':>6} {'p99 x':>7} "
-        f"{'tpot99 x':>8} {'flooder tok/s':>13} {'total tok/s':>11} {'vs FIFO':>7}"
+        f"{'gap99 x':>7} {'tpot99 x':>8} {'flooder tok/s':>13} {'total tok/s':>11} "
+        f"{'vs FIFO':>7}"
     )
     for arm in arms:
         row = rows.get(arm.name)
@@ -29,7 +52,8 @@ def print_table(summary: dict[str, Any], arms: Sequence[_Named]) -> None:
         print(
             f"{arm.name:14} {fmt(row['quiet_p50_ms']):>8}ms {fmt(row['quiet_p99_ms']):>8}ms "
             f"{fmt(row['p50_ratio'], 2):>6} {fmt(row['p99_ratio'], 2):>7} "
-            f"{fmt(row['tpot_p99_ratio'], 2):>8} {fmt(row['flooder_tok_s'], 0):>13} "
+            f"{fmt(row['gap_p99_ratio'], 2):>7} {fmt(row['tpot_p99_ratio'], 2):>8} "
+            f"{fmt(row['flooder_tok_s'], 0):>13} "
             f"{fmt(row['total_tok_s'], 0):>11} "
             f"{fmt(row['throughput_vs_fifo'] * 100, 0):>6}%"
         )
@@ -54,8 +78,8 @@ def print_table(summary: dict[str, Any], arms: Sequence[_Named]) -> None:
         )
     met = [name for name, ok in summary["isolation_target"].items() if ok]
     print(
-        f"target: quiet P99 TTFT <= {ISOLATION_TTFT_RATIO:.1f}x and P99 TPOT <= "
-        f"{ISOLATION_TPOT_RATIO:.1f}x alone at >= {TARGET_THROUGHPUT:.0%} of FIFO: "
+        f"target: quiet P99 TTFT <= {ISOLATION_TTFT_RATIO:.1f}x and P99 inter-token gap <= "
+        f"{ISOLATION_GAP_RATIO:.1f}x alone at >= {TARGET_THROUGHPUT:.0%} of FIFO: "
         + (f"met by {', '.join(met)}" if met else "NOT met by any arm")
     )
     for label, key in (

@@ -1,10 +1,12 @@
 """What the load generator sends and records: request specs with prompts of an exact token
-count, one record per request, and per-tenant token meters in time bins."""
+count, one record per request (with, where asked, the arrival of each output chunk), and
+per-tenant token meters in time bins."""
 
 from __future__ import annotations
 
 import math
 import random
+from array import array
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -62,6 +64,34 @@ class Spec:
         )
 
 
+class Chunks:
+    """The output-carrying SSE chunks of one streamed response, in arrival order: each one's
+    time (seconds since the run's start) and output tokens, in two compact arrays (12 bytes a
+    chunk), so the quiet tenant's every inter-token gap can be measured."""
+
+    __slots__ = ("times", "tokens")
+
+    def __init__(self) -> None:
+        self.times = array("d")
+        self.tokens = array("I")
+
+    def add(self, at: float, tokens: int) -> None:
+        self.times.append(at)
+        self.tokens.append(tokens)
+
+    def gaps(self) -> list[float]:
+        """Every inter-token gap (seconds). The first chunk ends the wait for the first token
+        (the TTFT, never a gap; tokens that came with it are not gaps either); a later chunk of
+        n tokens arriving t after the previous chunk is n gaps of t / n each (a client cannot
+        tell when tokens that arrive together were made)."""
+        gaps: list[float] = []
+        times, tokens = self.times, self.tokens
+        for i in range(1, len(times)):
+            n = tokens[i]
+            gaps.extend([(times[i] - times[i - 1]) / n] * n)
+        return gaps
+
+
 @dataclass(slots=True)
 class Record:
     """One request, times in seconds since the run's start."""
@@ -83,6 +113,9 @@ class Record:
     """Cut by the end of the run before its first token: `ttft` is a lower bound."""
     events: int = 0
     """SSE data events received (role, tokens, usage, [DONE]): the chunks a gateway relays."""
+    chunks: Chunks | None = None
+    """The output-carrying chunks, kept only for the tenants a `Load` was told to (its
+    `gap_tenants`): a flooder's hundreds of streams need none."""
 
     def as_row(self) -> list[Any]:
         return [

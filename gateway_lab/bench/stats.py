@@ -1,4 +1,5 @@
-"""Figures of a benchmark's records: first-token percentiles, Jain's index, status counts."""
+"""Figures of a benchmark's records: first-token percentiles, time per output token, every
+inter-token gap, Jain's index, status counts."""
 
 from __future__ import annotations
 
@@ -37,6 +38,22 @@ def tpot_stats(records: Sequence[Record]) -> dict[str, Any]:
         "count": len(values),
         "p50_ms": percentile(values, 50) * 1000.0,
         "p99_ms": percentile(values, 99) * 1000.0,
+    }
+
+
+def gap_stats(records: Sequence[Record]) -> dict[str, Any]:
+    """P50/P99/max of every inter-token gap (ms) across the answered responses that kept their
+    chunks (`Chunks.gaps`: from the first output chunk to the second and on, never the TTFT;
+    n tokens in one chunk are n gaps of 1/n of the wait), pooled: one slow gap counts once
+    among all the others, where `tpot_stats` would average it into its response."""
+    per_response = [r.chunks.gaps() for r in records if r.status == 200 and r.chunks is not None]
+    values = [gap for gaps in per_response for gap in gaps]
+    return {
+        "count": len(values),
+        "responses": sum(1 for gaps in per_response if gaps),
+        "p50_ms": percentile(values, 50) * 1000.0,
+        "p99_ms": percentile(values, 99) * 1000.0,
+        "max_ms": max(values) * 1000.0 if values else math.nan,
     }
 
 

@@ -61,6 +61,13 @@ def test_noisy_neighbour_quick(tmp_path: Path, capsys: pytest.CaptureFixture[str
     assert arms["delta-100ms"]["latency_delta"] == "100ms"
     assert set(summary["isolation_target"]) >= {"full", "paced", "delta-100ms"}
     assert all("tpot_p99_ratio" in row for row in summary["rows"].values())
+    # every inter-token gap of the quiet tenant's responses, beside the per-response TPOT
+    assert all("gap_p99_ratio" in row for row in summary["rows"].values())
+    for name in ("alone-service", "full"):
+        gaps = arms[name]["quiet_gaps"]
+        assert gaps["count"] > gaps["responses"] > 0, name
+        assert gaps["p99_ms"] >= gaps["p50_ms"] > 0, name
+    assert "gap99 x" in printed and "P99 inter-token gap" in printed
 
 
 def test_token_fairness_quick(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

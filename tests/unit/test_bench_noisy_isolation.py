@@ -41,11 +41,20 @@ def test_selection_engine_flags_and_warmup() -> None:
 
 
 def test_the_verdict_needs_all_three_targets() -> None:
+    # the inter-token target is on every gap's P99 (gap_p99_ratio), not the per-response TPOT
     rows = {
-        "a": {"p99_ratio": 1.9, "tpot_p99_ratio": 1.4, "throughput_vs_fifo": 0.96},
-        "b": {"p99_ratio": 1.9, "tpot_p99_ratio": 1.6, "throughput_vs_fifo": 0.96},
-        "c": {"p99_ratio": 1.9, "tpot_p99_ratio": 1.4, "throughput_vs_fifo": 0.90},
-        "fifo": {"p99_ratio": 100.0, "tpot_p99_ratio": 9.0, "throughput_vs_fifo": 1.0},
-    }
-    verdict = isolation_verdicts(rows, {"a": 1, "b": 1, "c": 1})
-    assert verdict == {"a": True, "b": False, "c": False}
+        "a": {"p99_ratio": 1.9, "gap_p99_ratio": 1.4, "tpot_p99_ratio": 1.2,
+              "throughput_vs_fifo": 0.96},
+        "b": {"p99_ratio": 1.9, "gap_p99_ratio": 1.6, "tpot_p99_ratio": 1.2,
+              "throughput_vs_fifo": 0.96},
+        "c": {"p99_ratio": 1.9, "gap_p99_ratio": 1.4, "tpot_p99_ratio": 1.2,
+              "throughput_vs_fifo": 0.90},
+        "d": {"p99_ratio": 2.1, "gap_p99_ratio": 1.4, "tpot_p99_ratio": 1.2,
+              "throughput_vs_fifo": 0.96},
+        "e": {"p99_ratio": 1.9, "gap_p99_ratio": 1.4, "tpot_p99_ratio": 1.6,
+              "throughput_vs_fifo": 0.96},
+        "fifo": {"p99_ratio": 100.0, "gap_p99_ratio": 9.0, "tpot_p99_ratio": 9.0,
+                 "throughput_vs_fifo": 1.0},
+    }  # fmt: skip
+    verdict = isolation_verdicts(rows, {"a": 1, "b": 1, "c": 1, "d": 1, "e": 1})
+    assert verdict == {"a": True, "b": False, "c": False, "d": False, "e": True}
