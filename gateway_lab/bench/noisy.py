@@ -24,7 +24,9 @@ FIFO they queue inside the engine). One emulated A100 / Llama-3.1-8B engine
 * delta-D: `paced` with the tier objective `latency_delta: D` (`--deltas`): the δ controller
   scales the flooder's share of the pool and of the prefill budget. These arms begin with a
   few quiet requests sent one at a time, before the measured run: the gateway learns what a
-  request gets alone only while the pool is nearly idle, which the flooder never allows.
+  request gets alone only while the pool is nearly idle, which the flooder never allows;
+* first-D: `full` with the first-token objective `latency_delta: {first_token: D}`
+  (`--first-token-deltas`): only the quiet tenant's time to first token steers.
 
 For each arm: the quiet tenant's P50/P99 time to the first streamed SSE data chunk and their
 ratio to "alone" on the same path, the P99 of every inter-token gap of its responses (gap99)
@@ -189,12 +191,20 @@ def adaptive_capacity(headroom: int) -> CapacityConfig:
     return CapacityConfig(adaptive={scenario.POOL: settings})
 
 
+def first_token_arm(objective: str, warmup_s: float, capacity: CapacityConfig) -> Arm:
+    return Arm(
+        f"first-{objective}", "service", True, warmup_s, "delta", 512, capacity,
+        latency_delta=f"{{first_token: {objective}}}",
+    )  # fmt: skip
+
+
 def plan_arms(
     timing: Timing,
     sweep: list[int],
     headroom: int,
     prefill_budget: int = 4096,
     deltas: tuple[str, ...] = ("100ms", "300ms"),
+    first_deltas: tuple[str, ...] = (),
 ) -> list[Arm]:
     full = adaptive_capacity(headroom)
     warm = timing.warmup_full_s
@@ -220,6 +230,7 @@ def plan_arms(
             )
             for d in deltas
         ),
+        *(first_token_arm(d, warm, full) for d in first_deltas),
         Arm("plain", "service", True, warm, "plain", PLAIN_MAX_INFLIGHT),
     ]
     for soft in sweep:
@@ -430,7 +441,9 @@ def run(
     profile: str = PROFILE,
     isolation: Isolation = DEFAULT_ISOLATION,
 ) -> dict[str, Any]:
-    planned = plan_arms(timing, sweep, headroom, isolation.budget, isolation.deltas)
+    planned = plan_arms(
+        timing, sweep, headroom, isolation.budget, isolation.deltas, isolation.first_deltas
+    )
     arms = isolation.select(planned)
 
     def run_one(arm: Arm, engines: EngineSet, results: scenario.Results) -> dict[str, Any]:

@@ -38,6 +38,8 @@ class Isolation:
     budget: int = 4096
     """prefill_budget_tokens of the paced and delta arms."""
     deltas: tuple[str, ...] = ("100ms", "300ms")
+    first_deltas: tuple[str, ...] = ("50ms", "150ms")
+    """First-token objectives of the first-D arms."""
     arms: tuple[str, ...] = ()
     """Only these arms (empty: all)."""
     prefill_threshold: int = 0
@@ -48,8 +50,9 @@ class Isolation:
         return cls(
             engine_policy=args.engine_policy,
             budget=args.prefill_budget,
-            deltas=tuple(d.strip() for d in args.deltas.split(",") if d.strip()),
-            arms=tuple(a.strip() for a in (args.arms or "").split(",") if a.strip()),
+            deltas=_listed(args.deltas),
+            first_deltas=_listed(args.first_token_deltas),
+            arms=_listed(args.arms or ""),
             prefill_threshold=args.engine_prefill_threshold,
         )
 
@@ -70,6 +73,10 @@ class Isolation:
 DEFAULT_ISOLATION = Isolation()
 
 
+def _listed(text: str) -> tuple[str, ...]:
+    return tuple(item.strip() for item in text.split(",") if item.strip())
+
+
 def add_isolation_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--engine-policy", choices=("priority", "fcfs"), default="priority",
@@ -82,6 +89,10 @@ def add_isolation_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--deltas", default="100ms,300ms", help="latency_delta objectives of the delta arms"
     )
+    parser.add_argument(
+        "--first-token-deltas", default="50ms,150ms",
+        help="first-token objectives of the first-D arms (default %(default)s)",
+    )  # fmt: skip
     parser.add_argument(
         "--engine-prefill-threshold", type=int, default=0,
         help="the engine's --long-prefill-token-threshold (default %(default)s: off)",
