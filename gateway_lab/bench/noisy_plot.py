@@ -54,14 +54,7 @@ def plot(results: dict[str, dict[str, Any]], summary: dict[str, Any], path: Path
     ax.set_xticks(list(xs), names, rotation=30, ha="right")
     ax.legend(fontsize=8)
     ax = axes[1][0]
-    for name in names:
-        row = rows[name]
-        if results[name]["kind"] == "alone" or math.isnan(row["throughput_vs_fifo"]):
-            continue
-        color = _COLORS.get(results[name]["kind"], "#1f77b4")
-        ax.scatter(row["throughput_vs_fifo"] * 100, row["p99_ratio"], color=color, s=40)
-        ax.annotate(name, (row["throughput_vs_fifo"] * 100, row["p99_ratio"]),
-                    fontsize=8, xytext=(4, 4), textcoords="offset points")  # fmt: skip
+    _against_throughput(ax, results, rows, "p99_ratio")
     soft = sorted(
         (rows[n]["throughput_vs_fifo"] * 100, rows[n]["p99_ratio"])
         for n in names
@@ -112,16 +105,22 @@ def _inter_token(
     bars.axhline(ISOLATION_GAP_RATIO, ls=":", color="#8c564b", lw=0.8)
     bars.set_title("quiet inter-token P99 / alone (dark every gap, light TPOT)")
     bars.set_xticks(list(xs), names, rotation=30, ha="right")
-    for name in names:
-        row = rows[name]
-        if results[name]["kind"] == "alone" or math.isnan(row["throughput_vs_fifo"]):
-            continue
-        color = _COLORS.get(results[name]["kind"], "#1f77b4")
-        tradeoff.scatter(row["throughput_vs_fifo"] * 100, row["gap_p99_ratio"], color=color, s=40)
-        tradeoff.annotate(name, (row["throughput_vs_fifo"] * 100, row["gap_p99_ratio"]),
-                          fontsize=8, xytext=(4, 4), textcoords="offset points")  # fmt: skip
+    _against_throughput(tradeoff, results, rows, "gap_p99_ratio")
     tradeoff.axhline(ISOLATION_GAP_RATIO, ls=":", color="#8c564b", lw=0.8)
     tradeoff.axvline(TARGET_THROUGHPUT * 100, ls="--", color="green", lw=0.8)
     tradeoff.set_xlabel("total output tokens/s, % of FIFO")
     tradeoff.set_ylabel("quiet P99 inter-token gap / alone")
     tradeoff.set_title("inter-token: right of 95%, below 1.5x (dotted)")
+
+
+def _against_throughput(
+    ax: Any, results: dict[str, dict[str, Any]], rows: dict[str, Any], ratio: str
+) -> None:
+    """Each contended arm as a labelled point: total throughput (% of FIFO) against `ratio`."""
+    for name, result in results.items():
+        row = rows[name]
+        if result["kind"] == "alone" or math.isnan(row["throughput_vs_fifo"]):
+            continue
+        at = (row["throughput_vs_fifo"] * 100, row[ratio])
+        ax.scatter(*at, color=_COLORS.get(result["kind"], "#1f77b4"), s=40)
+        ax.annotate(name, at, fontsize=8, xytext=(4, 4), textcoords="offset points")
