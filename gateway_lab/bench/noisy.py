@@ -25,8 +25,9 @@ FIFO they queue inside the engine). One emulated A100 / Llama-3.1-8B engine
   scales the flooder's share of the pool and of the prefill budget. These arms begin with a
   few quiet requests sent one at a time, before the measured run: the gateway learns what a
   request gets alone only while the pool is nearly idle, which the flooder never allows;
-* first-D: `full` with the first-token objective `latency_delta: {first_token: D}`
-  (`--first-token-deltas`): only the quiet tenant's time to first token steers.
+* first-D: `paced` with the first-token objective `latency_delta: {first_token: D}`
+  (`--first-token-deltas`): as delta-D, but only the quiet tenant's time to first token
+  steers.
 
 For each arm: the quiet tenant's P50/P99 time to the first streamed SSE data chunk and their
 ratio to "alone" on the same path, the P99 of every inter-token gap of its responses (gap99)
@@ -191,10 +192,12 @@ def adaptive_capacity(headroom: int) -> CapacityConfig:
     return CapacityConfig(adaptive={scenario.POOL: settings})
 
 
-def first_token_arm(objective: str, warmup_s: float, capacity: CapacityConfig) -> Arm:
+def first_token_arm(
+    objective: str, warmup_s: float, capacity: CapacityConfig, prefill_budget: int
+) -> Arm:
     return Arm(
         f"first-{objective}", "service", True, warmup_s, "delta", 512, capacity,
-        latency_delta=f"{{first_token: {objective}}}",
+        prefill_budget=prefill_budget, latency_delta=f"{{first_token: {objective}}}",
     )  # fmt: skip
 
 
@@ -230,7 +233,7 @@ def plan_arms(
             )
             for d in deltas
         ),
-        *(first_token_arm(d, warm, full) for d in first_deltas),
+        *(first_token_arm(d, warm, full, prefill_budget) for d in first_deltas),
         Arm("plain", "service", True, warm, "plain", PLAIN_MAX_INFLIGHT),
     ]
     for soft in sweep:

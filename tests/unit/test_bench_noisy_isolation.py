@@ -26,12 +26,12 @@ def test_arms_and_their_policies() -> None:
     assert full.source.tier_options == {}
 
 
-def test_first_token_arms_watch_only_the_first_token_and_do_not_pace() -> None:
+def test_first_token_arms_watch_only_the_first_token_and_pace_as_delta_arms() -> None:
     arms = {a.name: a for a in plan_arms(Timing(), [], 8, 1024, (), ("50ms",))}
     assert "first-50ms" in arms and not any(name.startswith("delta-") for name in arms)
     first = policy_from_text(policy_text("127.0.0.1:1", arms["first-50ms"]))
     assert first.source.tier_options["standard"].latency_delta == LatencyDelta(first_token=0.05)
-    assert first.pools["main"].effective_prefill_budget == 0  # full's default: no pacing
+    assert first.pools["main"].effective_prefill_budget == 1024  # paced, as the delta arms
     assert first.pools["main"].engine_priority is True
 
 
