@@ -52,6 +52,7 @@ BENCH_SCENARIOS = {
         "lowload",
         "what the gateway adds at 1 request/s, per phase: straight, do-nothing, mimic, ours",
     ),
+    "idle-cpu": ("idle_cpu", "CPU of an idle service: the overload monitor on, off, and before"),
     "self-overload": (
         "self_overload",
         "a quiet tenant while the gateway itself is overloaded; kvwarden peer; phase timings",
