@@ -112,8 +112,9 @@ def _wait_ready(arms: list[Arm]) -> None:
             time.sleep(0.1)
 
 
-def measure(arms: list[Arm], seconds: float, workdir: Path) -> dict[str, float]:
-    """CPU milliseconds per second of each arm over one window, all arms at once."""
+def measure(arms: list[Arm], seconds: float, workdir: Path) -> dict[str, dict[str, float]]:
+    """Each arm's CPU seconds at the start and the end of one window (all arms at once), the
+    window's length, and CPU milliseconds per second over it."""
     with ExitStack() as stack:
         for arm in arms:
             stack.enter_context(_serving(arm, workdir))
@@ -125,7 +126,15 @@ def measure(arms: list[Arm], seconds: float, workdir: Path) -> dict[str, float]:
         time.sleep(seconds)
         elapsed = time.monotonic() - start
         ended = {name: cpu_seconds(pid) for name, pid in pids.items()}
-    return {name: (ended[name] - began[name]) * 1000.0 / elapsed for name in pids}
+    return {
+        name: {
+            "cpu_s_start": began[name],
+            "cpu_s_end": ended[name],
+            "window_s": elapsed,
+            "cpu_ms_per_s": (ended[name] - began[name]) * 1000.0 / elapsed,
+        }
+        for name in pids
+    }
 
 
 def main(args: argparse.Namespace) -> int:
@@ -141,7 +150,8 @@ def main(args: argparse.Namespace) -> int:
         workdir = Path(scratch) / "run"
         workdir.mkdir()
         print(f"[{SCENARIO}] {len(arms)} idle services for {args.seconds:.0f} s", file=sys.stderr)
-        cpu = measure(arms, args.seconds, workdir)
+        raw = measure(arms, args.seconds, workdir)
+    cpu = {name: reading["cpu_ms_per_s"] for name, reading in raw.items()}
     floor = cpu["monitor-off"]
     print(f"{'arm':<20} {'CPU ms/s':>9} {'over monitor-off':>17}")
     for name, value in cpu.items():
@@ -151,6 +161,7 @@ def main(args: argparse.Namespace) -> int:
         "seconds": args.seconds,
         "before": args.before,
         "cpu_ms_per_s": cpu,
+        "raw": raw,
         "note": "/proc CPU time has a 10 ms tick: +-0.7 ms/s over 30 s",
     }
     (out / "results.json").write_text(json.dumps(results, indent=1))
