@@ -202,7 +202,7 @@ class LagMonitor:
             quiet = False
         if quiet:
             detector.wake = self._wake
-            self._schedule(IDLE_INTERVAL_S)
+            self._schedule(max(IDLE_INTERVAL_S, self._interval_s))  # never faster than busy
         else:
             detector.wake = None
             self._schedule(self._interval_s)

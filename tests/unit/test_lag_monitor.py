@@ -34,10 +34,12 @@ class Probe:
         return self.monitor.next_sample_at - asyncio.get_running_loop().time()
 
 
-def probe(lag_threshold_ms: float) -> tuple[OverloadDetector, LagMonitor, Probe]:
+def probe(
+    lag_threshold_ms: float, interval_s: float = INTERVAL_S
+) -> tuple[OverloadDetector, LagMonitor, Probe]:
     detector = OverloadDetector(
         Gateway(
-            overload=Overload(interval_ms=INTERVAL_S * 1000, lag_threshold_ms=lag_threshold_ms)
+            overload=Overload(interval_ms=interval_s * 1000, lag_threshold_ms=lag_threshold_ms)
         ),
         set,
     )
@@ -142,3 +144,14 @@ async def test_a_disabled_detector_runs_no_monitor() -> None:
     assert not monitor.idle
     assert monitor.next_sample_at == 0.0  # never scheduled
     await monitor.stop()
+
+
+async def test_a_busy_interval_longer_than_the_idle_one_is_kept_when_idle() -> None:
+    _, monitor, running = probe(lag_threshold_ms=5_000, interval_s=0.4)
+    monitor.start()
+    try:
+        sampled = await running.next_sample()
+        assert monitor.idle
+        assert monitor.next_sample_at == pytest.approx(sampled + 0.4, abs=0.01)
+    finally:
+        await monitor.stop()
