@@ -56,6 +56,7 @@ BENCH_SCENARIOS = {
         "kvwarden_published",
         "kvwarden's published per-request CSVs: the tail over the whole run vs after a warm-up",
     ),
+    "idle-cpu": ("idle_cpu", "CPU of an idle service: the overload monitor on, off, and before"),
     "self-overload": (
         "self_overload",
         "a quiet tenant while the gateway itself is overloaded; kvwarden peer; phase timings",

@@ -186,6 +186,14 @@ def wait_ready(
 
 
 def run_up(args: argparse.Namespace) -> int:
+    from extproc.service.workers import check_accounting
+
+    refused = check_accounting(
+        getattr(args, "workers", 1), getattr(args, "accounting_grpc", None) or ""
+    )
+    if refused is not None:
+        print(f"extproc up: {refused}", file=sys.stderr)
+        return 2
     try:
         policy = load_policy(args.policy)
     except PolicyError as error:

@@ -48,6 +48,7 @@ class EnginePoller:
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._session: aiohttp.ClientSession | None = None
+        self._stopping = False
 
     def subscribe(self, subscriber: MetricsSubscriber) -> None:
         """Feed `subscriber` from now on; starts polling (in the running event loop)."""
@@ -55,6 +56,7 @@ class EnginePoller:
             self._subscribers.append(subscriber)
         self.reschedule()
         if self._task is None:
+            self._stopping = False
             self._task = asyncio.get_running_loop().create_task(self._run(), name="engine-poller")
 
     def unsubscribe(self, subscriber: MetricsSubscriber) -> None:
@@ -70,6 +72,9 @@ class EnginePoller:
         """Stop polling and close the HTTP client: the shutdown of every subscriber."""
         task, self._task = self._task, None
         if task is not None:
+            # Python 3.11's wait_for swallows a cancel that lands as the event is set (an
+            # unsubscribe just before the stop): the loop then sees the flag and ends.
+            self._stopping = True
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task
@@ -83,7 +88,7 @@ class EnginePoller:
         return dict(zip(wanted, readings, strict=True))
 
     async def _run(self) -> None:
-        while True:
+        while not self._stopping:
             delay = min((s.due_in() for s in self._subscribers), default=None)
             if delay is None or delay > 0:
                 with contextlib.suppress(TimeoutError):

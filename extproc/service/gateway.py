@@ -65,7 +65,7 @@ class Gateway:
         )
         self.overload = overload
         """Is the service falling behind, and whom to shed (extproc.service.overload)."""
-        self._lag_monitor = LagMonitor(overload, self._after_overload_sample)
+        self.lag_monitor = LagMonitor(overload, self._after_overload_sample, self._nothing_held)
 
     @property
     def policy(self) -> Policy:
@@ -82,7 +82,7 @@ class Gateway:
         for the memory store. Call before serving (otherwise the first request starts them)."""
         await self._admission.start()
         self.locality_feedback.start()
-        self._lag_monitor.start()
+        self.lag_monitor.start()
         reconciler = self.reconciler
         if reconciler is not None and not self._reconciling:
             self._reconciling = True
@@ -93,7 +93,7 @@ class Gateway:
             reconciler.start()
 
     async def close(self) -> None:
-        await self._lag_monitor.stop()
+        await self.lag_monitor.stop()
         await self.engine_poller.stop()
         await self._admission.close()
 
@@ -143,7 +143,9 @@ class Gateway:
         return self.scheduler.clock.now()
 
     def submit(self, ticket: Ticket) -> asyncio.Future[Grant]:
-        if self.overload.sheds(ticket.tenant):
+        overload = self.overload
+        overload.activity()  # an idle lag monitor samples at the short interval from now
+        if overload.sheds(ticket.tenant):
             return self._shed_new(ticket)
         return self._admission.submit(ticket)
 
@@ -166,6 +168,11 @@ class Gateway:
         turn.set_exception(overloaded(ticket.tenant, self.scheduler.shed_retry_after(ticket)))
         self._count_shed(ticket.tenant)
         return turn
+
+    def _nothing_held(self) -> bool:
+        """Nothing queued, admitted or accounted here: the lag monitor may sample slowly."""
+        scheduler = self.scheduler
+        return not self._remote and scheduler.queued() == 0 and scheduler.inflight() == 0
 
     def _after_overload_sample(self, shedding: bool) -> None:
         self.metrics.event_loop_lag.set(self.overload.lag_s)
@@ -197,6 +204,7 @@ class Gateway:
         remote = self._admission.attach_remote(request_id)
         if remote is None:
             return None
+        self.overload.activity()  # its chunks cost this loop: sample at the short interval
         lease = RemoteRequestLease(
             remote, self._admission, self.metrics, lambda: self._policy, self._forget_remote
         )

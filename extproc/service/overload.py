@@ -4,8 +4,11 @@ Under CPU saturation an asyncio service answers every message late, and Envoy tu
 later than its `message_timeout` into an empty 504 for whoever sent it, light tenant or heavy.
 Two cheap signals say the service is falling behind (`gateway.overload` in the policy):
 
-* event-loop lag: a monitor task sleeps `interval_ms` and measures how late it wakes up. Every
-  message Envoy sends waits behind the same ready queue, so the lag is what each answer pays;
+* event-loop lag: a monitor timer fires every `interval_ms` and measures how late it runs. Every
+  message Envoy sends waits behind the same ready queue, so the lag is what each answer pays.
+  While there is nothing to protect (no admission stream open, nothing queued or in flight,
+  the loop on time) it samples every IDLE_INTERVAL_S instead, and the first stream that opens
+  brings the short interval back at once: an idle service does not wake 50 times a second;
 * message age: the admission streams Envoy waits on (opened, their request body not answered
   or held yet); the oldest one's age is compared with `message_age_fraction` of
   `gateway.message_timeout`.
@@ -20,7 +23,6 @@ within their share are never shed: what is left of the service's time goes to th
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from collections import deque
@@ -35,6 +37,13 @@ LAG_WINDOW_S = 0.5
 """Shedding starts when LAG_SAMPLES samples within LAG_WINDOW_S are over the threshold: one
 stall (a collection, a reload) is not load, while a saturated loop (or a process the host
 keeps descheduling) is late sample after sample."""
+
+IDLE_INTERVAL_S = 0.25
+"""The monitor's interval while nothing is open, queued or in flight and its last sample was
+on time: the first admission stream wakes it (`OverloadDetector.activity`), so detection under
+load starts from the short interval as before. An idle sample that is late (the host keeps the
+process descheduled: the next request would be answered late too) brings the short interval
+back at once; at half LAG_WINDOW_S two late idle samples would count by themselves."""
 
 
 class OverloadDetector:
@@ -58,6 +67,8 @@ class OverloadDetector:
         self.lag_s = 0.0
         self.shed_set: frozenset[str] = frozenset()
         """The tenants shed while `reason` is set (over their share at the last sample)."""
+        self.wake: Callable[[], None] | None = None
+        """Set by an idle monitor, called (once) by the next `activity`."""
 
     def configure(self, gateway: GatewaySettings) -> None:
         """The policy's `gateway.overload` and `gateway.message_timeout` (also on reload; the
@@ -75,6 +86,20 @@ class OverloadDetector:
 
     def stream_opened(self, key: object) -> None:
         self._pending[key] = self._clock()
+        self.activity()
+
+    def activity(self) -> None:
+        """Work arrived (an admission stream, another process's request to account): an idle
+        monitor goes back to its short interval."""
+        wake = self.wake
+        if wake is not None:
+            self.wake = None
+            wake()
+
+    @property
+    def quiet(self) -> bool:
+        """Not shedding, no admission stream waiting, the last sample on time."""
+        return self.reason is None and not self._pending and self.lag_s <= self._lag_threshold_s
 
     def stream_answered(self, key: object) -> None:
         self._pending.pop(key, None)
@@ -123,33 +148,66 @@ class OverloadDetector:
 
 
 class LagMonitor:
-    """The asyncio side: samples the event-loop lag every `interval_ms` and feeds the detector;
-    `on_sample` runs after each sample (the gateway sheds queued requests there)."""
+    """The asyncio side: samples the event-loop lag every `interval_ms` (a loop timer, no task)
+    and feeds the detector; `on_sample` runs after each sample (the gateway sheds queued
+    requests there). While `idle()` says nothing is queued or in flight and the detector is
+    quiet, the next sample is IDLE_INTERVAL_S away, or sooner on the detector's `activity`."""
 
-    def __init__(self, detector: OverloadDetector, on_sample: Callable[[bool], None]) -> None:
+    def __init__(
+        self,
+        detector: OverloadDetector,
+        on_sample: Callable[[bool], None],
+        idle: Callable[[], bool] = lambda: False,
+    ) -> None:
         self.detector = detector
         self._on_sample = on_sample
-        self._task: asyncio.Task[None] | None = None
+        self._idle = idle
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._timer: asyncio.TimerHandle | None = None
+        self._interval_s = detector.settings.interval_ms / 1000.0
+        self.next_sample_at = 0.0
+        """When (loop time) the next sample is due; the lag is measured from it."""
+
+    @property
+    def idle(self) -> bool:
+        """Sampling at IDLE_INTERVAL_S, waiting for activity."""
+        return self.detector.wake is not None
 
     def start(self) -> None:
-        if self._task is None and self.detector.enabled:
-            self._task = asyncio.get_running_loop().create_task(self._run())
+        if self._timer is None and self.detector.enabled:
+            self._loop = asyncio.get_running_loop()
+            self._interval_s = self.detector.settings.interval_ms / 1000.0
+            self._schedule(self._interval_s)
 
     async def stop(self) -> None:
-        task, self._task = self._task, None
-        if task is not None:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        timer, self._timer = self._timer, None
+        if timer is not None:
+            timer.cancel()
+        self.detector.wake = None
 
-    async def _run(self) -> None:
-        loop = asyncio.get_running_loop()
-        interval = self.detector.settings.interval_ms / 1000.0
-        while True:
-            expected = loop.time() + interval
-            await asyncio.sleep(interval)
-            lag = max(0.0, loop.time() - expected)
-            try:
-                self._on_sample(self.detector.observe(lag))
-            except Exception:
-                log.exception("overload sample failed")
+    def _schedule(self, delay_s: float) -> None:
+        assert self._loop is not None
+        self.next_sample_at = self._loop.time() + delay_s
+        self._timer = self._loop.call_at(self.next_sample_at, self._sample)
+
+    def _sample(self) -> None:
+        assert self._loop is not None
+        lag = max(0.0, self._loop.time() - self.next_sample_at)
+        detector = self.detector
+        try:
+            self._on_sample(detector.observe(lag))
+            quiet = detector.quiet and self._idle()
+        except Exception:
+            log.exception("overload sample failed")
+            quiet = False
+        if quiet:
+            detector.wake = self._wake
+            self._schedule(max(IDLE_INTERVAL_S, self._interval_s))  # never faster than busy
+        else:
+            detector.wake = None
+            self._schedule(self._interval_s)
+
+    def _wake(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+        self._schedule(self._interval_s)

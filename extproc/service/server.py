@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import errno
 import logging
+import socket
 from collections.abc import AsyncIterator
 
 import grpc
@@ -134,8 +136,31 @@ async def _serve(
 ) -> tuple[grpc.aio.Server, int]:
     server = grpc.aio.server(options=GRPC_SERVER_OPTIONS)
     ext_proc_grpc.add_ExternalProcessorServicer_to_server(servicer, server)
-    port = server.add_insecure_port(address)
+    try:
+        port = server.add_insecure_port(address)
+    except RuntimeError:  # grpc says only "Failed to bind"
+        port = 0
     if port == 0:
-        raise OSError(f"cannot bind the gRPC server to {address}")
+        raise bind_error(address)
     await server.start()
     return server, port
+
+
+def bind_error(address: str) -> OSError:
+    """Why gRPC could not bind `address`: EADDRINUSE when another socket holds it (a caller
+    that picked a port may then pick another), else a plain OSError."""
+    host, _, port = address.rpartition(":")
+    host = host.strip("[]")
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    try:
+        with socket.socket(family, socket.SOCK_STREAM) as probe:
+            probe.bind((host, int(port)))
+    except OSError as error:
+        if error.errno == errno.EADDRINUSE:
+            return OSError(
+                errno.EADDRINUSE,
+                f"cannot bind the gRPC server to {address}: address already in use",
+            )
+    except ValueError:
+        pass
+    return OSError(f"cannot bind the gRPC server to {address}")

@@ -18,6 +18,11 @@ workers must share state: `state.backend: redis`. With the memory store each wor
 enforce every limit on its own (N workers = N times the limits) and settle only the requests
 whose two streams met on it; the supervisor refuses that unless `--allow-unshared-workers`.
 
+`--accounting-grpc` (accounting in a child process) is refused with N > 1 (`check_accounting`):
+that layout holds a forwarded request's capacity while the admitting process's own accounting
+process is behind, and with workers the accounting stream may reach another worker's, whose
+lag the admitting worker cannot see (docs/deploy.md, "Accounting in a process of its own").
+
 Signals: SIGTERM/SIGINT drain every worker (a second one kills them), SIGHUP reloads them.
 """
 
@@ -123,6 +128,19 @@ def check_state(policy_path: str, workers: int, allow_unshared: bool) -> str | N
             state.replicas, workers, state.replicas,
         )  # fmt: skip
     return None
+
+
+def check_accounting(workers: int, accounting_grpc: str) -> str | None:
+    """Why `--accounting-grpc` cannot run with these workers, or None."""
+    if workers <= 1 or not accounting_grpc.strip():
+        return None
+    return (
+        f"--accounting-grpc with --workers {workers} is not supported: the accounting process "
+        "holds a forwarded request's capacity while it is behind, which only the process that "
+        "admitted the request can do, and with several workers Envoy sends the accounting "
+        "stream to any worker's. Run one worker per host with --accounting-grpc (scale out "
+        "with replicas sharing Redis), or --workers without it (accounting on --grpc)."
+    )
 
 
 def reserve_port(address: str) -> tuple[str, socket.socket | None]:
@@ -305,7 +323,9 @@ def run_workers(args: argparse.Namespace) -> int:
     if args.workers < 1:
         print("--workers must be at least 1", file=sys.stderr)
         return 2
-    problem = check_state(args.policy, args.workers, args.allow_unshared_workers)
+    problem = check_accounting(args.workers, getattr(args, "accounting_grpc", "") or "")
+    if problem is None:
+        problem = check_state(args.policy, args.workers, args.allow_unshared_workers)
     if problem is not None:
         print(f"extproc serve: {problem}", file=sys.stderr)
         return 2
@@ -342,6 +362,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--drain-grace", type=float, default=None)
     parser.add_argument("--log-format", default=None)
     parser.add_argument("--reload-interval", type=float, default=None)
+    parser.add_argument(
+        "--accounting-grpc", default=os.environ.get("EXTPROC_ACCOUNTING_GRPC", ""),
+        metavar="ADDRESS", help="refused with --workers N > 1 (see the module doc)",
+    )  # fmt: skip
     add_arguments(parser)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")

@@ -11,9 +11,10 @@ import sys
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 from extproc.envoy_config import RenderOptions, split_host_port
-from extproc.policy import policy_from_text
+from extproc.policy import Policy, policy_from_text
 from gateway_lab.children import engine_child, envoy_child, extproc_child
 from gateway_lab.processes import Child, Stack, http_ok, wait_until
 
@@ -22,6 +23,7 @@ PROFILE = "a100-llama3-8b"
 _READY_S = 60.0
 
 Check = tuple[Callable[[], bool], str]
+T = TypeVar("T")
 
 
 def free_port() -> int:
@@ -49,13 +51,60 @@ def cpu_seconds(pid: int) -> float:
 def running(stack: Stack, checks: Sequence[Check]) -> Iterator[Stack]:
     """Start every child, wait for every check; stop them all on exit (or a failed start)."""
     try:
-        for child in stack.children:
-            child.start()
-        for check, what in checks:
-            wait_until(check, stack, what, _READY_S)
+        _start(stack, checks)
         yield stack
     finally:
         stack.stop()
+
+
+def _start(stack: Stack, checks: Sequence[Check]) -> None:
+    for child in stack.children:
+        child.start()
+    for check, what in checks:
+        wait_until(check, stack, what, _READY_S)
+
+
+PORT_ATTEMPTS = 3
+"""Starts of one stack, each on fresh ports, while a child fails because a port is taken."""
+
+
+def port_was_taken(stack: Stack) -> bool:
+    """A child exited because an address it was given was in use: `free_port` found the port
+    free, and something else (an ephemeral port of a client connection) took it before the
+    child bound it. Envoy, `extproc serve` and the engines all log this errno's text."""
+    dead = stack.dead()
+    return dead is not None and "address already in use" in dead.log_tail(60).lower()
+
+
+@contextlib.contextmanager
+def running_on_fresh_ports(
+    build: Callable[[], tuple[Stack, Sequence[Check], T]], attempts: int = PORT_ATTEMPTS
+) -> Iterator[T]:
+    """`build()` picks ports and makes the children; start them and wait for the checks,
+    and if a child exits because its port was taken meanwhile, stop the stack and build it
+    again on fresh ports, up to `attempts` starts (any other failure is raised at once).
+    Yields what the successful `build` returned; stops the stack on exit."""
+    for attempt in range(1, attempts + 1):
+        stack, checks, built = build()
+        try:
+            _start(stack, checks)
+        except RuntimeError:
+            taken = port_was_taken(stack)
+            stack.stop()
+            if taken and attempt < attempts:
+                print(
+                    f"a port was taken before its server bound it; starting again on fresh "
+                    f"ports ({attempt}/{attempts})",
+                    file=sys.stderr,
+                    flush=True,
+                )
+                continue
+            raise
+        try:
+            yield built
+        finally:
+            stack.stop()
+        return
 
 
 @dataclass
@@ -77,19 +126,24 @@ def engine_set(
 ) -> Iterator[EngineSet]:
     """Start `pools[name]` engines for each pool on fresh loopback ports; stop them on exit."""
     workdir.mkdir(parents=True, exist_ok=True)
-    endpoints = {
-        name: [f"127.0.0.1:{free_port()}" for _ in range(count)] for name, count in pools.items()
-    }
-    stack = Stack()
-    checks: list[Check] = []
-    for pool, addresses in endpoints.items():
-        for index, endpoint in enumerate(addresses):
-            stack.children.append(
-                engine_child(workdir, pool, index, endpoint, profile, engine_args)
-            )
-            checks.append((functools.partial(http_ok, f"http://{endpoint}/health"), endpoint))
-    with running(stack, checks):
-        yield EngineSet(endpoints)
+
+    def build() -> tuple[Stack, list[Check], EngineSet]:
+        endpoints = {
+            name: [f"127.0.0.1:{free_port()}" for _ in range(count)]
+            for name, count in pools.items()
+        }
+        stack = Stack()
+        checks: list[Check] = []
+        for pool, addresses in endpoints.items():
+            for index, endpoint in enumerate(addresses):
+                stack.children.append(
+                    engine_child(workdir, pool, index, endpoint, profile, engine_args)
+                )
+                checks.append((functools.partial(http_ok, f"http://{endpoint}/health"), endpoint))
+        return stack, checks, EngineSet(endpoints)
+
+    with running_on_fresh_ports(build) as engines:
+        yield engines
 
 
 @dataclass
@@ -135,6 +189,29 @@ def gateway_stack(
     policy_path = workdir / "policy.yaml"
     policy_path.write_text(policy_text)
     policy = policy_from_text(policy_text, str(policy_path))
+
+    def build() -> tuple[Stack, list[Check], Gateway]:
+        return _gateway_children(
+            workdir, policy, str(policy_path), arm, extproc_args, bootstrap_edit,
+            accounting_process, noop_args, extproc_env,
+        )  # fmt: skip
+
+    with running_on_fresh_ports(build) as gateway:
+        yield gateway
+
+
+def _gateway_children(
+    workdir: Path,
+    policy: Policy,
+    policy_path: str,
+    arm: str,
+    extproc_args: Sequence[str],
+    bootstrap_edit: Callable[[str], str] | None,
+    accounting_process: bool,
+    noop_args: Sequence[str],
+    extproc_env: Mapping[str, str] | None,
+) -> tuple[Stack, list[Check], Gateway]:
+    """One start's children of `gateway_stack`, on ports picked now."""
     listen, grpc_address = f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"
     admin, envoy_admin = f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"
     stack = Stack()
@@ -143,7 +220,7 @@ def gateway_stack(
     if arm == "extproc":
         serve_args = [*extproc_args, *(["--accounting-grpc", accounting] if accounting else [])]
         child = extproc_child(
-            workdir, str(policy_path), grpc_address, admin, serve_args, log_level="WARNING"
+            workdir, policy_path, grpc_address, admin, serve_args, log_level="WARNING"
         )
         child.env = None if extproc_env is None else dict(extproc_env)
         stack.children.append(child)
@@ -178,13 +255,13 @@ def gateway_stack(
         bootstrap = workdir / "envoy.json"
         bootstrap.write_text(bootstrap_edit(bootstrap.read_text()))
     checks.append((functools.partial(http_ok, f"http://{envoy_admin}/ready"), "envoy"))
-    with running(stack, checks):
-        yield Gateway(
-            arm=arm,
-            base_url=f"http://{listen}",
-            admin_url=f"http://{admin}" if arm == "extproc" else None,
-            stack=stack,
-        )
+    gateway = Gateway(
+        arm=arm,
+        base_url=f"http://{listen}",
+        admin_url=f"http://{admin}" if arm == "extproc" else None,
+        stack=stack,
+    )
+    return stack, checks, gateway
 
 
 @contextlib.contextmanager

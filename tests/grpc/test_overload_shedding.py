@@ -9,6 +9,7 @@ import contextlib
 import time
 from collections.abc import AsyncIterator, Callable
 
+import grpc
 import orjson
 import pytest
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ext_proc_grpc
@@ -18,6 +19,7 @@ from extproc.policy import hash_key, policy_from_text
 from extproc.service import request as request_record
 from extproc.service.composition import compose
 from extproc.service.gateway import Gateway
+from extproc.service.server import start_grpc_server
 from tests.conftest import TEST_KEYS
 from tests.grpc.test_extproc_stream import EnvoyPeer, body_message, chat_body, headers_message
 from tests.grpc_support import served_stub
@@ -167,3 +169,62 @@ async def test_lagging_loop_sheds_the_heavy_tenant_and_admits_the_light_one(
     finally:
         for peer in peers:
             await peer.close()
+
+
+@pytest.fixture
+async def tracked_service() -> AsyncIterator[tuple[Gateway, ext_proc_grpc.ExternalProcessorStub]]:
+    """Served as `extproc serve` does: the server reports each admission stream it opens."""
+    gateway = compose(policy_from_text(POLICY))
+    await gateway.start()
+    server, port = await start_grpc_server(gateway, "127.0.0.1:0", gateway.overload)
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
+    try:
+        yield gateway, ext_proc_grpc.ExternalProcessorStub(channel)
+    finally:
+        await channel.close()
+        await server.stop(None)
+        await gateway.close()
+
+
+async def samples_stay_short(gateway: Gateway, samples: int = 3) -> None:
+    monitor = gateway.lag_monitor
+    for _ in range(samples):
+        due = monitor.next_sample_at
+        await until(lambda: monitor.next_sample_at != due)  # noqa: B023
+        assert not monitor.idle
+
+
+async def test_the_monitor_idles_until_a_stream_opens_and_stays_short_while_work_is_held(
+    tracked_service, monkeypatch
+) -> None:  # type: ignore[no-untyped-def]
+    gateway, stub = tracked_service
+    monkeypatch.setattr(request_record, "ATTACH_GRACE_S", 300.0)
+    monitor = gateway.lag_monitor
+    await until(lambda: monitor.idle)  # nothing open, queued or in flight
+    peer = await start_request(stub, "globex")
+    try:
+        assert not monitor.idle  # the stream's headers woke it before they were answered
+        await samples_stay_short(gateway)  # the stream waits for its body
+        assert (await body_reply(peer)).WhichOneof("response") == "request_body"
+        assert gateway.scheduler.inflight() == 1
+        # Forwarded, the request holds its capacity until its accounting stream ends: each
+        # sample after the answer keeps the short interval.
+        await samples_stay_short(gateway)
+    finally:
+        await peer.close()
+
+
+async def test_a_submitted_request_wakes_the_monitor_whoever_serves_the_streams(
+    service, monkeypatch
+) -> None:  # type: ignore[no-untyped-def]
+    gateway, stub = service  # a server that does not report the streams it opens
+    monkeypatch.setattr(request_record, "ATTACH_GRACE_S", 300.0)
+    monitor = gateway.lag_monitor
+    await until(lambda: monitor.idle)
+    peer = await start_request(stub, "globex")
+    try:
+        assert (await body_reply(peer)).WhichOneof("response") == "request_body"
+        assert not monitor.idle
+        await samples_stay_short(gateway)
+    finally:
+        await peer.close()

@@ -223,3 +223,33 @@ def test_invalid_policy_at_start_exits_1_with_file_line(tmp_path: Path) -> None:
     entries = [orjson.loads(line) for line in result.stderr.splitlines() if line.strip()]
     error = next(e for e in entries if e["level"] == "error")
     assert any(f"{bad}:" in issue and "unknown tier" in issue for issue in error["errors"])
+
+
+def test_a_taken_grpc_port_at_start_exits_1_saying_the_address_is_in_use(tmp_path: Path) -> None:
+    """Not a hang: the engine poller's stop used to swallow its cancel here (a start that
+    fails stops the engine watcher, then the poller, in one turn)."""
+    import errno
+    import socket
+    import subprocess
+    import sys
+
+    from tests.serve_support import REPO
+
+    policy = tmp_path / "policy.yaml"
+    policy.write_text(policy_yaml())
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        result = subprocess.run(
+            [sys.executable, "-m", "extproc.service.main", "--policy", str(policy),
+             "--grpc", f"127.0.0.1:{port}", "--admin", "127.0.0.1:0"],
+            capture_output=True, text=True, timeout=60, cwd=REPO,
+        )  # fmt: skip
+    assert result.returncode == 1
+    entries = [orjson.loads(line) for line in result.stderr.splitlines() if line.startswith("{")]
+    error = next(e for e in entries if e["level"] == "error")
+    assert error["message"] == (
+        f"cannot start: [Errno {errno.EADDRINUSE}] cannot bind the gRPC server to "
+        f"127.0.0.1:{port}: address already in use"
+    )

@@ -14,7 +14,12 @@ from pathlib import Path
 import grpc
 import pytest
 
-from extproc.service.workers import check_state, worker_address, worker_addresses
+from extproc.service.workers import (
+    check_accounting,
+    check_state,
+    worker_address,
+    worker_addresses,
+)
 from tests.conftest import TEST_KEYS, free_port, policy_yaml
 from tests.redis.support import (
     ROOT,
@@ -60,6 +65,39 @@ def test_several_workers_need_shared_state(tmp_path: Path) -> None:
         cwd=ROOT, capture_output=True, text=True, timeout=60, check=False,
     )  # fmt: skip
     assert refused.returncode == 2 and "--allow-unshared-workers" in refused.stderr
+
+
+def test_an_accounting_process_is_refused_with_several_workers(tmp_path: Path) -> None:
+    problem = check_accounting(2, "127.0.0.1:7000")
+    assert problem is not None and "--accounting-grpc with --workers 2" in problem
+    assert check_accounting(1, "127.0.0.1:7000") is None
+    assert check_accounting(2, "") is None
+    policy = tmp_path / "shared.yaml"
+    policy.write_text(policy_yaml(extra="state: {backend: redis, replicas: 2}\n"))
+    addresses = [
+        "--policy", str(policy), "--grpc", f"127.0.0.1:{free_port()}",
+        "--admin", f"127.0.0.1:{free_port()}", "--accounting-grpc", f"127.0.0.1:{free_port()}",
+    ]  # fmt: skip
+    for command in (
+        [sys.executable, "-m", "extproc.service.workers", "--workers", "2", *addresses],
+        [sys.executable, "-m", "extproc", "serve", "--workers", "2", *addresses],
+        # `extproc up` refuses it before it starts engines or Envoy
+        [sys.executable, "-m", "extproc", "up", "--workers", "2", "--policy", str(policy),
+         "--accounting-grpc", f"127.0.0.1:{free_port()}"],
+    ):  # fmt: skip
+        refused = subprocess.run(
+            command, cwd=ROOT, capture_output=True, text=True, timeout=60, check=False
+        )
+        assert refused.returncode == 2, refused.stderr
+        assert "--accounting-grpc with --workers 2 is not supported" in refused.stderr
+        assert "supervising" not in refused.stderr  # refused before any worker started
+    # The environment variable is the same flag.
+    refused = subprocess.run(
+        [sys.executable, "-m", "extproc.service.workers", "--workers", "2", *addresses[:6]],
+        cwd=ROOT, capture_output=True, text=True, timeout=60, check=False,
+        env={**os.environ, "EXTPROC_ACCOUNTING_GRPC": f"127.0.0.1:{free_port()}"},
+    )  # fmt: skip
+    assert refused.returncode == 2 and "not supported" in refused.stderr
 
 
 @pytest.fixture
