@@ -40,6 +40,8 @@ class Isolation:
     deltas: tuple[str, ...] = ("100ms", "300ms")
     first_deltas: tuple[str, ...] = ("50ms", "150ms")
     """First-token objectives of the first-D arms."""
+    step_tokens: tuple[int, ...] = (512,)
+    """--max-num-batched-tokens of the step-N arms' own engines."""
     arms: tuple[str, ...] = ()
     """Only these arms (empty: all)."""
     prefill_threshold: int = 0
@@ -52,6 +54,7 @@ class Isolation:
             budget=args.prefill_budget,
             deltas=_listed(args.deltas),
             first_deltas=_listed(args.first_token_deltas),
+            step_tokens=tuple(int(n) for n in _listed(args.step_tokens)),
             arms=_listed(args.arms or ""),
             prefill_threshold=args.engine_prefill_threshold,
         )
@@ -89,6 +92,10 @@ def add_isolation_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--deltas", default="100ms,300ms", help="latency_delta objectives of the delta arms"
     )
+    parser.add_argument(
+        "--step-tokens", default="512",
+        help="--max-num-batched-tokens of the step-N arms' own engines (default %(default)s)",
+    )  # fmt: skip
     parser.add_argument(
         "--first-token-deltas", default="50ms,150ms",
         help="first-token objectives of the first-D arms (default %(default)s)",

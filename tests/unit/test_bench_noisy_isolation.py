@@ -3,12 +3,19 @@ arm writes, and the verdict against issue 15's targets."""
 
 from __future__ import annotations
 
+import argparse
+
 import pytest
 
 from extproc.policy import policy_from_text
 from extproc.policy.model import LatencyDelta
-from gateway_lab.bench.noisy import Timing, plan_arms, policy_text
-from gateway_lab.bench.noisy_isolation import Isolation, isolation_verdicts, with_warmup
+from gateway_lab.bench.noisy_arms import Timing, plan_arms, policy_text
+from gateway_lab.bench.noisy_isolation import (
+    Isolation,
+    add_isolation_arguments,
+    isolation_verdicts,
+    with_warmup,
+)
 
 
 def test_arms_and_their_policies() -> None:
@@ -24,6 +31,22 @@ def test_arms_and_their_policies() -> None:
     )
     full = policy_from_text(policy_text("127.0.0.1:1", arms["full"]))
     assert full.source.tier_options == {}
+
+
+def test_step_arms_run_the_full_policy_on_an_engine_with_smaller_steps() -> None:
+    arms = {a.name: a for a in plan_arms(Timing(), [], 8, step_tokens=(512,))}
+    step = arms["step-512"]
+    assert step.step_tokens == 512 and step.kind == "full" and step.latency_delta is None
+    assert arms["full"].step_tokens is None
+    assert policy_text("127.0.0.1:1", step) == policy_text("127.0.0.1:1", arms["full"])
+    chosen = Isolation.from_args(_parsed("--step-tokens", "256,512"))
+    assert chosen.step_tokens == (256, 512)
+
+
+def _parsed(*argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    add_isolation_arguments(parser)
+    return parser.parse_args(list(argv))
 
 
 def test_first_token_arms_watch_only_the_first_token_and_pace_as_delta_arms() -> None:
