@@ -24,13 +24,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from gateway_lab.bench.revisions import tree_of_rev
 from gateway_lab.bench.stack import cpu_seconds, free_port
 from gateway_lab.processes import http_ok
 
 SCENARIO = "idle-cpu"
 _READY_S = 60.0
 _STOP_S = 10.0
-_GIT_TIMEOUT_S = 60.0
 
 POLICY = """\
 version: 1
@@ -61,21 +61,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="REV_OR_PATH",
         help="also measure an older service (monitor on): a tree holding extproc/, or a git rev",
     )
-
-
-def _tree_of_rev(rev: str, into: Path) -> Path:
-    root = Path(__file__).resolve().parents[2]
-    into.mkdir(parents=True)
-    archive = subprocess.run(
-        ["git", "-C", str(root), "archive", rev, "extproc"],
-        check=True,
-        capture_output=True,
-        timeout=_GIT_TIMEOUT_S,
-    )
-    subprocess.run(
-        ["tar", "-x", "-C", str(into)], input=archive.stdout, check=True, timeout=_GIT_TIMEOUT_S
-    )
-    return into
 
 
 @contextmanager
@@ -145,7 +130,7 @@ def main(args: argparse.Namespace) -> int:
         arms = [Arm("monitor-on", root, True), Arm("monitor-off", root, False)]
         if args.before is not None:
             given = Path(args.before)
-            tree = given if given.is_dir() else _tree_of_rev(args.before, Path(scratch) / "tree")
+            tree = given if given.is_dir() else tree_of_rev(args.before, Path(scratch) / "tree")
             arms.append(Arm("before-monitor-on", tree, True))
         workdir = Path(scratch) / "run"
         workdir.mkdir()

@@ -24,6 +24,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from gateway_lab.bench.revisions import tree_of_rev
+
 SCENARIO = "scheduler-scaling"
 DEPTHS = (10, 1_000, 10_000)
 TENANT_MODES = {"few": (4, False), "many": (1_000, False), "deadlines": (4, True)}
@@ -32,7 +34,6 @@ deadline). At a shallow depth only some of the many tenants have a request queue
 keep joining and leaving the fair share. With deadlines (an hour away: never shed) submit
 estimates each request's earliest start and poll runs the shed scan every 0.5 s of clock."""
 _WORKER_TIMEOUT_S = 300.0
-_GIT_TIMEOUT_S = 60.0
 
 
 # --- the worker: stdlib and extproc only (it may run against an older extproc) ---------------
@@ -144,21 +145,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--fairness", default="drr", choices=("drr", "vtc"))
     parser.add_argument("--quick", action="store_true", help="tiny run (smoke tests)")
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
-
-
-def _tree_of_rev(rev: str, into: Path) -> Path:
-    """`git archive` of the revision's extproc/ into a fresh directory."""
-    root = Path(__file__).resolve().parents[2]
-    archive = subprocess.run(
-        ["git", "-C", str(root), "archive", rev, "extproc"],
-        check=True,
-        capture_output=True,
-        timeout=_GIT_TIMEOUT_S,
-    )
-    subprocess.run(
-        ["tar", "-x", "-C", str(into)], input=archive.stdout, check=True, timeout=_GIT_TIMEOUT_S
-    )
-    return into
 
 
 def _run_worker(tree: Path, spec: dict[str, Any]) -> list[dict[str, Any]]:
@@ -282,7 +268,7 @@ def main(args: argparse.Namespace) -> int:
         trees = {"after": Path(__file__).resolve().parents[2]}
         if args.before is not None:
             given = Path(args.before)
-            trees["before"] = given if given.is_dir() else _tree_of_rev(args.before, Path(scratch))
+            trees["before"] = given if given.is_dir() else tree_of_rev(args.before, Path(scratch))
         raw: dict[str, list[list[dict[str, Any]]]] = {arm: [] for arm in trees}
         for round_index in range(rounds):
             order = list(trees) if round_index % 2 == 0 else list(reversed(trees))

@@ -1,0 +1,25 @@
+"""An older revision's runtime package on disk, for benchmarks that measure "before" beside
+the tree they run from."""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+GIT_TIMEOUT_S = 60.0
+
+
+def tree_of_rev(rev: str, into: Path) -> Path:
+    """`git archive` of the revision's extproc/ into `into` (made if missing); returns it."""
+    root = Path(__file__).resolve().parents[2]
+    into.mkdir(parents=True, exist_ok=True)
+    archive = subprocess.run(
+        ["git", "-C", str(root), "archive", rev, "extproc"],
+        check=True,
+        capture_output=True,
+        timeout=GIT_TIMEOUT_S,
+    )
+    subprocess.run(
+        ["tar", "-x", "-C", str(into)], input=archive.stdout, check=True, timeout=GIT_TIMEOUT_S
+    )
+    return into
