@@ -81,27 +81,30 @@ def _listed(text: str) -> tuple[str, ...]:
 
 
 def add_isolation_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options of `Isolation`, with its defaults."""
+    default = DEFAULT_ISOLATION
     parser.add_argument(
-        "--engine-policy", choices=("priority", "fcfs"), default="priority",
+        "--engine-policy", choices=("priority", "fcfs"), default=default.engine_policy,
         help="the engine's --scheduling-policy (default %(default)s)",
     )  # fmt: skip
     parser.add_argument(
-        "--prefill-budget", type=int, default=4096,
+        "--prefill-budget", type=int, default=default.budget,
         help="prefill_budget_tokens of the paced and delta arms (default %(default)s)",
     )  # fmt: skip
     parser.add_argument(
-        "--deltas", default="100ms,300ms", help="latency_delta objectives of the delta arms"
-    )
+        "--deltas", default=",".join(default.deltas),
+        help="latency_delta objectives of the delta arms (default %(default)s)",
+    )  # fmt: skip
     parser.add_argument(
-        "--step-tokens", default="512",
+        "--step-tokens", default=",".join(map(str, default.step_tokens)),
         help="--max-num-batched-tokens of the step-N arms' own engines (default %(default)s)",
     )  # fmt: skip
     parser.add_argument(
-        "--first-token-deltas", default="50ms,150ms",
+        "--first-token-deltas", default=",".join(default.first_deltas),
         help="first-token objectives of the first-D arms (default %(default)s)",
     )  # fmt: skip
     parser.add_argument(
-        "--engine-prefill-threshold", type=int, default=0,
+        "--engine-prefill-threshold", type=int, default=default.prefill_threshold,
         help="the engine's --long-prefill-token-threshold (default %(default)s: off)",
     )  # fmt: skip
     parser.add_argument("--arms", help="run only these arms, comma separated")

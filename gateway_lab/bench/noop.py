@@ -67,6 +67,13 @@ _GATEWAY_HEADERS = [
 _RESPONSE_HEADERS = {name: "1" for name in admission_response_headers()[:6]}
 
 
+def _with_usage(raw: bytes) -> bytes:
+    """The request body as the service rewrites it: the stream reports its usage."""
+    body = orjson.loads(raw)
+    body["stream_options"] = {"include_usage": True}
+    return orjson.dumps(body)
+
+
 class MimicProcessor(ext_proc_grpc.ExternalProcessorServicer):  # type: ignore[misc]
     """Replies shaped like the admission stream's (module docstring); the pool header names
     `pool`, the first pool of the policy it fronts."""
@@ -83,9 +90,7 @@ class MimicProcessor(ext_proc_grpc.ExternalProcessorServicer):  # type: ignore[m
             if request.HasField("request_headers"):
                 yield responses.continue_request_headers(_GATEWAY_HEADERS)
             elif request.HasField("request_body"):
-                body = orjson.loads(request.request_body.body)
-                body["stream_options"] = {"include_usage": True}
-                data = orjson.dumps(body)
+                data = _with_usage(request.request_body.body)
                 values = [*_GATEWAY_HEADERS, (POOL_HEADER, self.pool),
                           ("content-length", str(len(data)))]  # fmt: skip
                 reply = responses.continue_request_body(values, clear_route_cache=True, body=data)
@@ -108,8 +113,7 @@ class OneTripMimic(MimicProcessor):
             chunks.append(request.request_body.body)
             if not request.request_body.end_of_stream:
                 continue
-            body = orjson.loads(b"".join(chunks))
-            body["stream_options"] = {"include_usage": True}
+            data = _with_usage(b"".join(chunks))
             headers = [*_GATEWAY_HEADERS, (POOL_HEADER, self.pool)]
             # Envoy drops content-length itself in STREAMED mode (the upstream gets chunked).
             yield responses.continue_request_headers(headers, clear_route_cache=True)
@@ -117,7 +121,7 @@ class OneTripMimic(MimicProcessor):
                 earlier = responses.continue_request_body()
                 earlier.request_body.response.body_mutation.clear_body = True
                 yield earlier
-            reply = responses.continue_request_body(body=orjson.dumps(body))
+            reply = responses.continue_request_body(body=data)
             responses.fill_metadata(reply, ADMISSION_METADATA, _RESPONSE_HEADERS)
             yield reply
             return
