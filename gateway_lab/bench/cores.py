@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -49,11 +50,14 @@ def children(pid: int) -> list[int]:
     return found
 
 
-def descendants(pid: int) -> list[int]:
+def descendants(pid: int, stop_at: Collection[int] = ()) -> list[int]:
+    """Every process below `pid`, except those in `stop_at` and the processes below them."""
     out: list[int] = []
     pending = children(pid)
     while pending:
         child = pending.pop()
+        if child in stop_at:
+            continue
         out.append(child)
         pending.extend(children(child))
     return out

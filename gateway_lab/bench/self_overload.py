@@ -219,11 +219,13 @@ def front_pids(gateway: Gateway) -> dict[str, int]:
 
 
 def group_cpu(pids: dict[str, int]) -> dict[str, float]:
-    """CPU seconds of each named process with its descendants (workers)."""
+    """CPU seconds of each named process with its descendants (workers), except those named
+    themselves: the load generator's are the stacks it started, counted under their names."""
     out: dict[str, float] = {}
+    named = set(pids.values())
     for name, pid in pids.items():
         total = 0.0
-        for process in (pid, *descendants(pid)):
+        for process in (pid, *descendants(pid, stop_at=named)):
             with contextlib.suppress(FileNotFoundError, ProcessLookupError, IndexError):
                 total += cpu_seconds(process)
         out[name] = total

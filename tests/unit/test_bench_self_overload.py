@@ -3,9 +3,13 @@ kvwarden's configuration, core pinning and the completion requests."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import signal
 import subprocess
+import sys
+import time
 from pathlib import Path
 
 import orjson
@@ -23,8 +27,10 @@ from gateway_lab.bench.self_overload import (
     CompletionSpec,
     compare,
     delta_arms,
+    group_cpu,
     policy_text,
 )
+from gateway_lab.bench.stack import cpu_seconds
 from gateway_lab.processes import envoy_binary
 
 
@@ -166,3 +172,38 @@ def test_delta_arms_write_a_first_token_objective_and_prime_the_alone_model() ->
     assert delta is not None
     assert (delta.first_token, delta.every_token, delta.token_gap) == (0.025, None, None)
     assert policy_from_text(policy_text("127.0.0.1:1")).source.tier_options == {}
+
+
+def test_each_named_process_is_charged_once(tmp_path: Path) -> None:
+    """The load generator's descendants are the stacks it started: a stack named on its own
+    is counted under its name, not again under the load generator's."""
+    ready = tmp_path / "ready"
+    # A named child whose own child (a worker) burns CPU until killed.
+    script = (
+        "import os, subprocess, sys, time\n"
+        "worker = subprocess.Popen([sys.executable, '-c', 'while True: pass'])\n"
+        f"open({str(ready)!r}, 'w').write(str(worker.pid))\n"
+        "worker.wait()\n"
+    )
+    stack = subprocess.Popen([sys.executable, "-c", script])
+    worker_pid = 0
+    try:
+        deadline = time.monotonic() + 20.0
+        while not ready.exists() or not ready.read_text():
+            assert time.monotonic() < deadline, "the stack's worker did not start"
+            time.sleep(0.01)
+        worker_pid = int(ready.read_text())
+        assert descendants(os.getpid(), stop_at={stack.pid}) == []
+        assert worker_pid in descendants(stack.pid)
+        while cpu_seconds(worker_pid) < 0.3:  # the worker has used measurable CPU
+            assert time.monotonic() < deadline, "the worker used no CPU"
+            time.sleep(0.01)
+        charged = group_cpu({"loadgen": os.getpid(), "stack": stack.pid})
+        assert charged["stack"] >= 0.3  # the worker's CPU, under its stack's name
+        assert charged["loadgen"] <= cpu_seconds(os.getpid()) + 0.05  # and not again here
+    finally:
+        if worker_pid:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(worker_pid, signal.SIGKILL)
+        stack.kill()
+        stack.wait(timeout=10)
