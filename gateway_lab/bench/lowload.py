@@ -59,7 +59,10 @@ DEFAULT_OUT = Path("results/low-load")
 KEY = "bench-quiet-key"
 TENANT = "quiet"
 WARMUP_TENANT = "warmup"
-ARMS = ("straight", "noop", "noop-no-acct", "mimic", "one-trip", "service", "static")
+ARMS = (
+    "straight", "noop", "noop-grpclib", "noop-no-acct", "mimic", "mimic-grpclib", "one-trip",
+    "service", "static",
+)  # fmt: skip
 TARGET_ADDED_P50_MS = 1.0
 TARGET_ADDED_P99_MS = 3.0
 
@@ -164,13 +167,15 @@ EDITS = {"one-trip": one_trip_bootstrap, "noop-no-acct": no_accounting_bootstrap
 
 @contextlib.contextmanager
 def front(arm: str, workdir: Path, endpoint: str, before_src: Path | None) -> Iterator[Gateway]:
-    noops = ("noop", "noop-no-acct", "mimic", "one-trip")
+    noops = ("noop", "noop-grpclib", "noop-no-acct", "mimic", "mimic-grpclib", "one-trip")
     kind = "straight" if arm == "straight" else "noop" if arm in noops else "extproc"
     noop_args: tuple[str, ...] = ()
-    if arm in ("mimic", "one-trip"):
+    if arm in ("mimic", "mimic-grpclib", "one-trip"):
         noop_args = ("--mimic", scenario.POOL)
     if arm == "one-trip":
         noop_args += ("--one-round-trip",)
+    if arm.endswith("-grpclib"):
+        noop_args += ("--grpclib",)
     env = None
     if arm == "before":
         assert before_src is not None

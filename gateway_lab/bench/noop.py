@@ -127,19 +127,31 @@ class OneTripMimic(MimicProcessor):
             return
 
 
-async def serve(address: str, mimic_pool: str | None = None, one_trip: bool = False) -> None:
-    server = grpc.aio.server(options=GRPC_SERVER_OPTIONS)
+async def serve(
+    address: str, mimic_pool: str | None = None, one_trip: bool = False, on_grpclib: bool = False
+) -> None:
     servicer: ext_proc_grpc.ExternalProcessorServicer = NoopProcessor()
     if mimic_pool is not None:
         servicer = OneTripMimic(mimic_pool) if one_trip else MimicProcessor(mimic_pool)
-    ext_proc_grpc.add_ExternalProcessorServicer_to_server(servicer, server)
-    server.add_insecure_port(address)
-    await server.start()
-    print(f"noop ext_proc on {address}", flush=True)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, stop.set)
+    if on_grpclib:
+        from gateway_lab.bench.grpclib_front import start_grpclib_server  # the bench extra
+
+        host, _, port = address.rpartition(":")
+        grpclib_server, _ = await start_grpclib_server(servicer, host.strip("[]"), int(port))
+        print(f"noop ext_proc (grpclib) on {address}", flush=True)
+        await stop.wait()
+        grpclib_server.close()
+        await grpclib_server.wait_closed()
+        return
+    server = grpc.aio.server(options=GRPC_SERVER_OPTIONS)
+    ext_proc_grpc.add_ExternalProcessorServicer_to_server(servicer, server)
+    server.add_insecure_port(address)
+    await server.start()
+    print(f"noop ext_proc on {address}", flush=True)
     await stop.wait()
     await server.stop(1.0)
 
@@ -154,9 +166,12 @@ def main() -> None:
         "--one-round-trip", action="store_true",
         help="with --mimic: answer the headers once the body is in (STREAMED body mode)",
     )  # fmt: skip
+    parser.add_argument(
+        "--grpclib", action="store_true", help="serve on grpclib instead of grpc.aio"
+    )
     args = parser.parse_args()
     install_event_loop_policy()
-    asyncio.run(serve(args.grpc, args.mimic, args.one_round_trip))
+    asyncio.run(serve(args.grpc, args.mimic, args.one_round_trip, args.grpclib))
 
 
 if __name__ == "__main__":
