@@ -16,7 +16,7 @@ them on the admission process's event loop, the layout before, side by side).
 Per arm: the quiet tenant's time to the first streamed chunk (P50/P99, their ratio to the
 quiet tenant alone straight to the engine: "solo"), its failed requests, the flooder's answers
 by status (and whether each non-200 carried Retry-After), and each process's CPU in cores.
-The alone arms through Envoy also log Envoy's per-phase timestamps (gateway_lab.bench.phases).
+The alone and room arms through Envoy also log Envoy's per-phase timestamps (gateway_lab.bench.phases).
 
 `extproc bench self-overload [--quick] [--arms a,b] [--kvwarden-venv .venv-kvwarden]`
 """
@@ -115,8 +115,9 @@ ARMS = (
     Arm("alone-service", "service", "alone", phases=True),
     Arm("alone-service-usage", "service", "alone", phases=True, include_usage=True),
     Arm("alone-inproc", "service", "alone", phases=True, accounting_process=False),
-    Arm("room-fifo", "straight", "room"),
-    Arm("room-full", "service", "room"),
+    Arm("room-fifo", "straight", "room", phases=True),
+    Arm("room-noop", "noop", "room", phases=True),
+    Arm("room-full", "service", "room", phases=True),
     Arm("room-inproc", "service", "room", accounting_process=False),
     Arm("room-kvwarden", "kvwarden", "room"),
     Arm("over-fifo", "straight", "over"),
