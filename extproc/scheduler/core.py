@@ -397,14 +397,12 @@ class Scheduler:
 
     # --- leases ---------------------------------------------------------------------------------
 
-    def charge_output(self, lease_id: int, tokens: int, at: float | None = None) -> bool:
-        """Output tokens streamed for an admitted request (a delta, not a running total);
-        `at`: when the last of them passed, on this scheduler's clock, if earlier than now."""
+    def charge_output(self, lease_id: int, tokens: int) -> bool:
+        """Output tokens streamed for an admitted request (a delta, not a running total)."""
         held = self._live.leases.get(lease_id)
         if held is None:
             return False
-        now = self.clock.now()
-        self._leases.charge_output(held, tokens, now if at is None else min(at, now))
+        self._leases.charge_output(held, tokens, self.clock.now())
         return True
 
     def first_token(self, lease_id: int) -> bool:

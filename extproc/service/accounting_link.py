@@ -9,15 +9,10 @@ server of its own: the per-chunk work leaves the admission loop, and what reache
 compact, batched events on a socket pair:
 
     attach (stream, request id), response started (status, upstream), first byte (when),
-    output (tokens summed over OUTPUT_INTERVAL_S, when the last of them passed),
-    settle (usage or none, output seen)
+    output (tokens, summed over a batch), settle (usage or none, output seen)
 
 `ForwardingPort` is the child's `AccountingPort`: its leases append events to a batch that is
-written once per event-loop turn; output waits up to OUTPUT_INTERVAL_S and goes as one event
-per stream. A stream's tokens come one engine step apart (10-40 ms), from every stream at
-once: sent per chunk, each would cost the admitting process's event loop a call into the
-scheduler, on the core where it answers Envoy (docs/benchmarks.md, "the accounting events").
-`EventApplier` is the parent's end: it replays the events
+written once per event-loop turn. `EventApplier` is the parent's end: it replays the events
 on the real port (extproc.service.gateway), so settlement, first-token pacing and every metric
 are what they are with the in-process accounting. A lost link settles every open lease with
 what it was told, so no capacity leaks when the child dies.
@@ -39,11 +34,6 @@ from extproc.sse import Usage
 log = logging.getLogger("extproc.accounting_link")
 
 ATTACH, STARTED, FIRST_BYTE, OUTPUT, SETTLE, READY, LAG = "a", "r", "f", "o", "s", "ready", "l"
-OUTPUT_INTERVAL_S = 0.05
-"""How long the child sums a stream's output tokens before it sends them. The fair-share
-charge lags by at most this; the inter-token gaps the parent measures are averaged over it
-(a stall still shows whole: no tokens pass meanwhile). Attach, first byte and settle are not
-delayed, and a settle sends its stream's output first."""
 LAG_INTERVAL_S = 0.05
 """The child samples its event-loop lag this often and reports it ([LAG, lag in µs]); the
 parent also counts the silence since the last report: a stopped child reports nothing."""
@@ -111,7 +101,6 @@ class ForwardedLease:
         self._port = port
         self._stream = stream
         self.pending_output = 0
-        self._output_at = 0.0
 
     def response_started(self, status: int, upstream: str | None) -> None:
         self._port.emit([STARTED, self._stream, status, upstream])
@@ -120,16 +109,14 @@ class ForwardedLease:
         # CLOCK_MONOTONIC is one clock for every process of the host.
         self._port.emit([FIRST_BYTE, self._stream, at])
 
-    def charge_output(self, tokens: int, at: float | None = None) -> None:
+    def charge_output(self, tokens: int) -> None:
         if not self.pending_output:
             self._port.output_pending(self)
         self.pending_output += tokens
-        self._output_at = time.monotonic() if at is None else at
 
     def flush_output(self) -> None:
         if self.pending_output:
-            event = [OUTPUT, self._stream, self.pending_output, self._output_at]
-            self._port.emit(event, schedule=False)
+            self._port.emit([OUTPUT, self._stream, self.pending_output], schedule=False)
             self.pending_output = 0
 
     def settle(self, usage: Usage | None, output_seen: int) -> None:
@@ -138,17 +125,12 @@ class ForwardedLease:
 
 
 class ForwardingPort:
-    """The child's `AccountingPort`: `write` sends one frame per event-loop turn; output
-    tokens are summed for `output_interval_s` first."""
+    """The child's `AccountingPort`: `write` sends one frame per event-loop turn."""
 
-    def __init__(
-        self, write: Callable[[bytes], None], output_interval_s: float = OUTPUT_INTERVAL_S
-    ) -> None:
+    def __init__(self, write: Callable[[bytes], None]) -> None:
         self._write = write
-        self._output_interval_s = output_interval_s
         self._events: list[list[object]] = []
         self._output: list[ForwardedLease] = []
-        self._output_timer: asyncio.TimerHandle | None = None
         self._scheduled = False
         self._next_stream = 0
 
@@ -164,16 +146,6 @@ class ForwardingPort:
 
     def output_pending(self, lease: ForwardedLease) -> None:
         self._output.append(lease)
-        if self._output_timer is None:
-            self._output_timer = asyncio.get_running_loop().call_later(
-                self._output_interval_s, self._send_output
-            )
-
-    def _send_output(self) -> None:
-        self._output_timer = None
-        for lease in self._output:
-            lease.flush_output()  # a lease settled meanwhile has nothing pending
-        self._output.clear()
         self._schedule()
 
     def _schedule(self) -> None:
@@ -184,6 +156,9 @@ class ForwardingPort:
 
     def flush(self) -> None:
         self._scheduled = False
+        for lease in self._output:
+            lease.flush_output()
+        self._output.clear()
         if self._events:
             events, self._events = self._events, []
             self._write(encode_frame(events))
@@ -278,8 +253,7 @@ class EventApplier:
         if kind == OUTPUT:
             tokens = _int(event[2])
             entry.output_seen += tokens
-            at = event[3] if len(event) > 3 else None
-            entry.lease.charge_output(tokens, float(at) if isinstance(at, int | float) else None)
+            entry.lease.charge_output(tokens)
         elif kind == FIRST_BYTE:
             at = event[2]
             entry.lease.first_byte(float(at) if isinstance(at, int | float) else 0.0)

@@ -29,7 +29,6 @@ import sys
 from collections.abc import Callable, Sequence
 
 from extproc.service.accounting_link import (
-    OUTPUT_INTERVAL_S,
     READY,
     ApplierProtocol,
     EventApplier,
@@ -62,10 +61,8 @@ class AccountingChild:
         address: str,
         log_format: str = "json",
         forwarded_at: Callable[[str], float | None] = lambda request_id: None,
-        output_ms: float = OUTPUT_INTERVAL_S * 1000,
     ) -> None:
         self._port = port
-        self._output_ms = output_ms
         self._forwarded_at = forwarded_at
         self.address = address
         self._log_format = log_format
@@ -106,7 +103,7 @@ class AccountingChild:
             self._process = await asyncio.create_subprocess_exec(
                 sys.executable, "-m", "extproc.service.accounting_process",
                 "--grpc", address, "--fd", str(theirs.fileno()),
-                "--log-format", self._log_format, "--output-ms", str(self._output_ms),
+                "--log-format", self._log_format,
                 pass_fds=(theirs.fileno(),),
             )  # fmt: skip
         finally:
@@ -188,7 +185,7 @@ class _LinkProtocol(asyncio.Protocol):
         self._closed.set()
 
 
-async def _serve_child(address: str, fd: int, output_interval_s: float) -> None:
+async def _serve_child(address: str, fd: int) -> None:
     from extproc.service.server import start_accounting_server
 
     loop = asyncio.get_running_loop()
@@ -201,7 +198,7 @@ async def _serve_child(address: str, fd: int, output_interval_s: float) -> None:
         if not transport.is_closing():  # the parent closed the link: the child stops
             transport.write(frame)
 
-    port = ForwardingPort(write, output_interval_s)
+    port = ForwardingPort(write)
     server, grpc_port = await start_accounting_server(port, address)
     transport.write(encode_frame([[READY, grpc_port]]))
     ticker = loop.create_task(report_lag(port))
@@ -224,7 +221,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--grpc", required=True)
     parser.add_argument("--fd", type=int, required=True)
     parser.add_argument("--log-format", choices=("json", "text"), default="json")
-    parser.add_argument("--output-ms", type=float, default=OUTPUT_INTERVAL_S * 1000)
     args = parser.parse_args(argv)
     _die_with_parent()
     if os.getppid() == 1:  # the parent died before the line above
@@ -239,7 +235,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
     try:
-        asyncio.run(_serve_child(args.grpc, args.fd, max(0.0, args.output_ms) / 1000))
+        asyncio.run(_serve_child(args.grpc, args.fd))
     except OSError as error:
         log.error("cannot serve accounting on %s: %s", args.grpc, error)
         return 1

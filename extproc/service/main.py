@@ -35,7 +35,6 @@ from extproc.metrics import Metrics
 from extproc.policy import Policy, PolicyError, compile_policy, parse_policy
 from extproc.reload import PolicyReloader
 from extproc.scheduler import retry_after
-from extproc.service.accounting_link import OUTPUT_INTERVAL_S
 from extproc.service.accounting_process import AccountingChild
 from extproc.service.composition import compose_core, compose_reloader
 from extproc.service.engine_watch import EngineWatcher
@@ -92,9 +91,6 @@ class ServeOptions:
     accounting_grpc: str = ""
     """Serve the accounting filter from a child process on this address (its own Envoy
     cluster: `extproc envoy render --accounting`); empty: on the gRPC address, in process."""
-    accounting_output_ms: float = OUTPUT_INTERVAL_S * 1000
-    """With `accounting_grpc`: how long the child sums a stream's output tokens before it
-    tells this process (extproc.service.accounting_link.OUTPUT_INTERVAL_S)."""
 
     @classmethod
     def from_env(cls, policy: str, grpc: str, admin: str) -> ServeOptions:
@@ -108,9 +104,6 @@ class ServeOptions:
             allow_remote_reload=_env_bool("EXTPROC_ADMIN_REMOTE_RELOAD"),
             wait_for_policy=_env_bool("EXTPROC_WAIT_FOR_POLICY"),
             accounting_grpc=os.environ.get("EXTPROC_ACCOUNTING_GRPC", "").strip(),
-            accounting_output_ms=_env_float(
-                "EXTPROC_ACCOUNTING_OUTPUT_MS", OUTPUT_INTERVAL_S * 1000
-            ),
         )
 
 
@@ -144,11 +137,6 @@ def add_arguments(parser: argparse.ArgumentParser, default_policy: str) -> None:
         help="serve the accounting filter from a child process on this address, so response "
         "chunks never delay admission (default: on --grpc, in this process)",
     )  # fmt: skip
-    parser.add_argument(
-        "--accounting-output-ms", type=float, default=env.accounting_output_ms, metavar="MS",
-        help="with --accounting-grpc: how long the child sums a stream's output tokens before "
-        "it reports them; 0: every event-loop turn (default %(default)s)",
-    )  # fmt: skip
 
 
 def options_from_args(args: argparse.Namespace) -> ServeOptions:
@@ -163,7 +151,6 @@ def options_from_args(args: argparse.Namespace) -> ServeOptions:
         allow_remote_reload=getattr(args, "admin_remote_reload", env.allow_remote_reload),
         wait_for_policy=getattr(args, "wait_for_policy", env.wait_for_policy),
         accounting_grpc=getattr(args, "accounting_grpc", env.accounting_grpc),
-        accounting_output_ms=getattr(args, "accounting_output_ms", env.accounting_output_ms),
     )
 
 
@@ -311,9 +298,8 @@ class Service:
         self.engine_watch.start()
         if options.accounting_grpc:
             self.accounting = AccountingChild(
-                gateway, options.accounting_grpc, options.log_format, gateway.forwarded_at,
-                output_ms=options.accounting_output_ms,
-            )  # fmt: skip
+                gateway, options.accounting_grpc, options.log_format, gateway.forwarded_at
+            )
             self.accounting_port = await self.accounting.start()
             gateway.accounting_runs_behind_by(self.accounting.behind_s)
         self.server, self.grpc_port = await start_grpc_server(

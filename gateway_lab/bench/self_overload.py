@@ -16,8 +16,7 @@ them on the admission process's event loop, the layout before, side by side).
 Per arm: the quiet tenant's time to the first streamed chunk (P50/P99, their ratio to the
 quiet tenant alone straight to the engine: "solo"), its failed requests, the flooder's answers
 by status (and whether each non-200 carried Retry-After), and each process's CPU in cores.
-The alone and room arms through Envoy also log Envoy's per-phase timestamps
-(gateway_lab.bench.phases).
+The alone and room arms through Envoy also log Envoy's per-phase timestamps (gateway_lab.bench.phases).
 
 `extproc bench self-overload [--quick] [--arms a,b] [--kvwarden-venv .venv-kvwarden]`
 """
@@ -103,9 +102,6 @@ class Arm:
     accounting_process: bool = True
     """The service's accounting streams in their own process (`serve --accounting-grpc`);
     False: on the admission process's event loop (`-inproc` arms, the layout before)."""
-    accounting_output_ms: float | None = None
-    """`serve --accounting-output-ms` (None: its default): 0 sends the child's output events
-    every event-loop turn, as before they were summed over an interval (`-perturn` arms)."""
     first_token_delta: str | None = None
     """The tier's δ objective on the first token (`latency_delta: {first_token: D}`); the
     arm first sends a few quiet requests one at a time, so the gateway learns the alone
@@ -122,14 +118,12 @@ ARMS = (
     Arm("room-fifo", "straight", "room", phases=True),
     Arm("room-noop", "noop", "room", phases=True),
     Arm("room-full", "service", "room", phases=True),
-    Arm("room-perturn", "service", "room", phases=True, accounting_output_ms=0.0),
     Arm("room-inproc", "service", "room", accounting_process=False),
     Arm("room-kvwarden", "kvwarden", "room"),
     Arm("over-fifo", "straight", "over"),
     Arm("over-noop", "noop", "over"),
     Arm("over-kvwarden", "kvwarden", "over"),
     Arm("over-full", "service", "over"),
-    Arm("over-perturn", "service", "over", accounting_output_ms=0.0),
     Arm("over-inproc", "service", "over", accounting_process=False),
 )
 
@@ -207,16 +201,12 @@ def front(arm: Arm, workdir: Path, endpoint: str, kvwarden_venv: Path) -> Iterat
             yield gateway
         return
     edit = phases.timed_bootstrap  # every Envoy arm logs; the alone arms' phases are the table
-    env = None
-    if arm.accounting_output_ms is not None:
-        env = {**os.environ, "EXTPROC_ACCOUNTING_OUTPUT_MS": str(arm.accounting_output_ms)}
     with gateway_stack(
         workdir / arm.name,
         policy_text(endpoint, arm.first_token_delta),
         FRONTS[arm.front],
         bootstrap_edit=edit,
         accounting_process=arm.accounting_process,
-        extproc_env=env,
     ) as gateway:
         yield gateway
 

@@ -1,11 +1,10 @@
 """The accounting events between a child accounting process and its parent, both ends in one
-process: frames cut anywhere, output summed per stream and interval, order kept, a lost link
-settled, and how far behind a child counts as."""
+process: frames cut anywhere, output summed per batch, order kept, a lost link settled, and
+how far behind a child counts as."""
 
 from __future__ import annotations
 
 import asyncio
-import time
 
 from extproc.service.accounting_link import (
     LAG,
@@ -28,8 +27,8 @@ class RecordingLease:
     def first_byte(self, at: float) -> None:
         self.calls.append(("first_byte", at))
 
-    def charge_output(self, tokens: int, at: float | None = None) -> None:
-        self.calls.append(("output", tokens, at))
+    def charge_output(self, tokens: int) -> None:
+        self.calls.append(("output", tokens))
 
     def settle(self, usage: Usage | None, output_seen: int) -> None:
         self.calls.append(("settle", usage, output_seen))
@@ -53,62 +52,34 @@ def test_frames_cut_anywhere_come_out_whole() -> None:
         assert reader.feed(stream[:cut]) + reader.feed(stream[cut:]) == frames
 
 
-def _replay(sent: list[bytes]) -> RecordingPort:
-    parent = RecordingPort()
-    applier = EventApplier(parent)
-    for frame in FrameReader().feed(b"".join(sent)):
-        applier.apply(frame)
-    return parent
-
-
-async def test_output_waits_for_the_interval_and_a_settle_sends_it_first() -> None:
+async def test_a_turn_of_output_is_one_event_and_the_settle_comes_after_it() -> None:
     sent: list[bytes] = []
-    child = ForwardingPort(sent.append, output_interval_s=3600.0)
+    child = ForwardingPort(sent.append)
     lease = child.attach("r1")
     assert lease is not None
     lease.response_started(200, "10.0.0.1:8000")
     lease.first_byte(12.5)
     for _ in range(5):  # five chunks read in one event-loop turn
         lease.charge_output(1)
-    await asyncio.sleep(0)  # the turn ends: a frame, without the output
-    lease.charge_output(2, at=40.0)
-    await asyncio.sleep(0)
-    assert len(sent) == 1
+    await asyncio.sleep(0)  # the turn ends: one frame
+    lease.charge_output(2)
     lease.settle(Usage(3, 7, 10), 7)
     await asyncio.sleep(0)
     assert len(sent) == 2
-    parent = _replay(sent)
+    parent = RecordingPort()
+    applier = EventApplier(parent)
+    reader = FrameReader()
+    for frame in reader.feed(b"".join(sent)):
+        applier.apply(frame)
     assert parent.attached == ["r1"]
     assert parent.calls == [
         ("started", 200, "10.0.0.1:8000"),
         ("first_byte", 12.5),
-        ("output", 7, 40.0),  # one event per stream and interval, timed by its last token
+        ("output", 5),
+        ("output", 2),
         ("settle", Usage(3, 7, 10), 7),
     ]
-
-
-async def test_the_interval_sends_each_streams_sum_timed_by_its_last_token() -> None:
-    sent: list[bytes] = []
-    arrived = asyncio.Event()
-
-    def write(frame: bytes) -> None:
-        sent.append(frame)
-        if b'"o"' in frame:
-            arrived.set()
-
-    child = ForwardingPort(write, output_interval_s=0.01)
-    first, second = child.attach("r1"), child.attach("r2")
-    assert first is not None and second is not None
-    first.charge_output(1)
-    second.charge_output(4)
-    before = time.monotonic()
-    first.charge_output(2)
-    after = time.monotonic()
-    await asyncio.wait_for(arrived.wait(), 5.0)
-    calls = _replay(sent).calls
-    assert [call[:2] for call in calls] == [("output", 3), ("output", 4)]
-    at = calls[0][2]
-    assert isinstance(at, float) and before <= at <= after
+    assert applier.open_streams == 0
 
 
 async def test_a_lost_link_settles_what_is_open_with_the_output_seen() -> None:

@@ -110,25 +110,6 @@ def test_token_delta_from_the_alone_step() -> None:
     assert tokens["samples"] == 2  # the gaps after the alone step had 3 samples
 
 
-def test_a_batch_of_output_is_timed_when_its_last_token_passed() -> None:
-    """Tokens summed in another process arrive late: their gap is timed from `at`, the time
-    the last of them passed, not from when the batch was applied."""
-    sched, clock = _scheduler()
-    lone = _one(sched, "lone", "quiet")
-    for _ in range(5):
-        clock.advance(0.02)
-        sched.charge_output(lone.lease.lease_id, 1)
-    passed = clock.now() + 0.06  # two tokens, 30 ms each: 10 ms later than alone
-    clock.advance(0.11)  # applied 50 ms after the last of them passed
-    sched.charge_output(lone.lease.lease_id, 2, at=passed)
-    tokens = sched.snapshot()["tenants"]["quiet"]["latency_delta"]["tokens"]
-    assert tokens["peak_s"] == pytest.approx(0.01, rel=0.01)  # timed on arrival: 0.035
-    clock.advance(0.02)  # 70 ms after the last token passed
-    sched.charge_output(lone.lease.lease_id, 1, at=clock.now() + 5.0)  # never in the future:
-    tokens = sched.snapshot()["tenants"]["quiet"]["latency_delta"]["tokens"]
-    assert tokens["peak_s"] == pytest.approx(0.05, rel=0.05)  # timed now (5.05 s if at)
-
-
 def test_the_controller_cuts_once_per_cooldown_and_opens_with_slack() -> None:
     control = DeltaController()
     control.observe(0.5, 0.1, 10.0)
