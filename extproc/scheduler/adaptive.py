@@ -254,6 +254,12 @@ class AdaptiveCapacity:
             and self.inflight_tokens + budget <= self.max_inflight_tokens
         )
 
+    def fits_reserve(self, budget: int) -> bool:
+        return (
+            self.inflight < self.pool_max_inflight
+            and self.inflight_tokens + budget <= self.max_inflight_tokens
+        )
+
     def can_ever_fit(self, budget: int) -> bool:
         return budget <= self.max_inflight_tokens
 

@@ -31,6 +31,8 @@ def pool_headroom(pool: Pool) -> int:
 class Capacity(Protocol):
     inflight: int
     inflight_tokens: int
+    headroom: int
+    """Requests above the soft limit for tenants below their fair share."""
 
     def has_slot(self) -> bool:
         """Room below the soft limit for one more request of some size (cheap test)."""
@@ -51,6 +53,14 @@ class Capacity(Protocol):
 
     def fits_headroom(self, budget: int) -> bool:
         """Room below the hard limit for a request of a tenant below its fair share."""
+        ...
+
+    def fits_reserve(self, budget: int) -> bool:
+        """Room for such a request above a hard limit that has moved below what is in flight
+        (an adaptive limit cut under load): up to the pool's configured `max_inflight`, token
+        room permitting. The scheduler lets at most `headroom` requests in this way at once
+        (`PoolState.reserve_inflight`), so a quiet tenant does not wait for the backlogged
+        tenants' requests to drain down to the cut limit. False where the hard limit is fixed."""
         ...
 
     def can_ever_fit(self, budget: int) -> bool:
@@ -124,6 +134,10 @@ class StaticCapacity:
             self.inflight < self.hard_inflight
             and self.inflight_tokens + budget <= self.max_inflight_tokens
         )
+
+    def fits_reserve(self, budget: int) -> bool:
+        del budget  # the hard limit is the policy's max_inflight: it never moves below it
+        return False
 
     def can_ever_fit(self, budget: int) -> bool:
         return budget <= self.max_inflight_tokens

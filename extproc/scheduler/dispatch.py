@@ -21,7 +21,9 @@ class Dispatcher:
         self._live = live
         self._max_bypass = max_bypass
 
-    def run(self, admit: Callable[[PoolState, QueueEntry, bool], Admission]) -> list[Admission]:
+    def run(
+        self, admit: Callable[[PoolState, QueueEntry, bool, bool], Admission]
+    ) -> list[Admission]:
         """Admit every request that may go now, in order."""
         live = self._live
         admitted: list[Admission] = []
@@ -39,12 +41,15 @@ class Dispatcher:
                     entry = self.choose(pool)
                     if entry is None:
                         break
-                    admitted.append(admit(pool, entry, self.light_now(pool, entry)))
-                while pool.waiting and not capacity.has_slot() and capacity.has_headroom():
-                    entry = self.choose_headroom(pool)
+                    admitted.append(admit(pool, entry, self.light_now(pool, entry), False))
+                while pool.waiting and not capacity.has_slot():
+                    reserve = not capacity.has_headroom()
+                    if reserve and pool.reserve_inflight >= capacity.headroom:
+                        break
+                    entry = self.choose_headroom(pool, reserve)
                     if entry is None:
                         break
-                    admitted.append(admit(pool, entry, self.light_now(pool, entry)))
+                    admitted.append(admit(pool, entry, self.light_now(pool, entry), reserve))
             progressed = len(admitted) > before and len(live.pools) > 1
         return admitted
 
@@ -149,11 +154,15 @@ class Dispatcher:
             return capacity.inflight >= delta.limit(soft)
         return False
 
-    def choose_headroom(self, pool: PoolState) -> QueueEntry | None:
+    def choose_headroom(self, pool: PoolState, reserve: bool = False) -> QueueEntry | None:
         """Above the soft limit, up to the hard one: the next request of a tenant below its
         fair share of the pool, in tier order, then fair-share order. A hold keeps lower
-        tiers and the held tier's other tenants out; no bypass is counted here."""
-        return self._choose_light(pool, pool.capacity.fits_headroom, self.is_light)
+        tiers and the held tier's other tenants out; no bypass is counted here. `reserve`:
+        the hard limit is below what is in flight, and the request would take one of the
+        headroom's slots beyond it (`Capacity.fits_reserve`)."""
+        capacity = pool.capacity
+        fits = capacity.fits_reserve if reserve else capacity.fits_headroom
+        return self._choose_light(pool, fits, self.is_light)
 
     def _choose_light(
         self,

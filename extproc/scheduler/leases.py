@@ -17,8 +17,11 @@ class Leases:
         self._live = live
         self._lease_seq = 0
 
-    def admit(self, pool: PoolState, entry: QueueEntry, now: float, light: bool) -> Admission:
-        """Take the entry into a lease; `light`: its tenant was within its fair share."""
+    def admit(
+        self, pool: PoolState, entry: QueueEntry, now: float, light: bool, reserve: bool = False
+    ) -> Admission:
+        """Take the entry into a lease; `light`: its tenant was within its fair share;
+        `reserve`: it goes above a hard limit cut below what is in flight (`fits_reserve`)."""
         live = self._live
         ticket = entry.ticket
         state = live.tenants[ticket.tenant]
@@ -64,8 +67,9 @@ class Leases:
         reserved = ticket.max_output_tokens if live.reserve_output else 0
         live.leases[lease.lease_id] = LeaseState(
             lease, ticket, reserved, cost, entry=entry, light=light,
-            prefilling=prefilling, alone_sample=idle and ticket.streamed,
+            prefilling=prefilling, alone_sample=idle and ticket.streamed, reserve=reserve,
         )  # fmt: skip
+        pool.reserve_inflight += reserve
         live.timers.lease_added(lease.expires_at, lease.lease_id)
         self._compact_timers()
         state.dispatches.record(now)
@@ -242,6 +246,7 @@ class Leases:
         state.inflight_tokens -= lease.budget
         pool = live.pools[lease.pool]
         pool.capacity.release(lease.budget)
+        pool.reserve_inflight -= held.reserve
         pool.prefilling_tokens -= held.prefilling
         held.prefilling = 0
         live.locality.finished(lease.pool, lease.replica)

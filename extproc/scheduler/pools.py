@@ -48,6 +48,7 @@ class PoolState:
         "name",
         "prefilling_tokens",
         "queued_tokens",
+        "reserve_inflight",
         "retired",
         "users",
         "waiting",
@@ -74,6 +75,9 @@ class PoolState:
         self._weight_total: tuple[int, object, float] | None = None
         """(active_changes, policy, summed weight of the active tenants) last computed."""
         self.prefilling_tokens = 0
+        self.reserve_inflight = 0
+        """Leases admitted above a hard limit cut below what was in flight (at most the
+        capacity's headroom at once; `Capacity.fits_reserve`)."""
         """Prompt tokens of admitted requests whose first token has not been seen yet."""
         self.queued_tokens = 0
         """Token budgets of the requests queued here."""

@@ -62,6 +62,9 @@ class LeaseState:
     """Its tenant was within its fair share of the pool when it was dispatched."""
     prefilling: int = 0
     """Its prompt tokens in the pool's prefilling sum, until its first token (then 0)."""
+    reserve: bool = False
+    """Admitted above a hard limit that had been cut below what was in flight: it holds one
+    of the pool's reserve slots (`PoolState.reserve_inflight`) until released."""
     alone_sample: bool = False
     """Admitted while the pool was nearly idle: its first token teaches the alone model."""
     first_token: bool = False

@@ -53,6 +53,7 @@ def snapshot(live: Live, now: float, reclaimed_leases: int) -> dict[str, Any]:
             else {"tier": pool.bands[held.rank].tier, "tenant": held.tenant},
             "retired": pool.retired,
             "prefilling_tokens": pool.prefilling_tokens,
+            "reserve_inflight": pool.reserve_inflight,
             "prefill_budget_tokens": _prefill_budget(live, name),
             "delta_factor": pool.delta.factor,
             "delta_violations": pool.delta.violations,

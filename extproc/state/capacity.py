@@ -88,6 +88,10 @@ class SharedCapacity:
             and self.inflight_tokens + budget <= self.max_inflight_tokens
         )
 
+    def fits_reserve(self, budget: int) -> bool:
+        del budget  # a shared pool's hard limit is the policy's: it never moves
+        return False
+
     def can_ever_fit(self, budget: int) -> bool:
         return budget <= self.max_inflight_tokens
 

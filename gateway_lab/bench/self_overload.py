@@ -16,9 +16,11 @@ them on the admission process's event loop, the layout before, side by side).
 Per arm: the quiet tenant's time to the first streamed chunk (P50/P99, their ratio to the
 quiet tenant alone straight to the engine: "solo"), its failed requests, the flooder's answers
 by status (and whether each non-200 carried Retry-After), and each process's CPU in cores.
-The alone and room arms through Envoy also log Envoy's per-phase timestamps (gateway_lab.bench.phases).
+The alone and room arms through Envoy also log Envoy's per-phase timestamps
+(gateway_lab.bench.phases). `--before REV` adds `room-before` and `over-before`: the service of
+that git revision, side by side.
 
-`extproc bench self-overload [--quick] [--arms a,b] [--kvwarden-venv .venv-kvwarden]`
+`extproc bench self-overload [--quick] [--arms a,b] [--before REV] [--kvwarden-venv DIR]`
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ from typing import Any
 import orjson
 
 from extproc.policy import hash_key
-from gateway_lab.bench import phases, scenario
+from gateway_lab.bench import phases, revisions, scenario
 from gateway_lab.bench.cores import CoreSplit, descendants, pin, split_cores
 from gateway_lab.bench.kvwarden_front import DEFAULT_VENV, kvwarden_front
 from gateway_lab.bench.loadgen import Load, open_loop
@@ -102,6 +104,8 @@ class Arm:
     accounting_process: bool = True
     """The service's accounting streams in their own process (`serve --accounting-grpc`);
     False: on the admission process's event loop (`-inproc` arms, the layout before)."""
+    source: Path | None = None
+    """Run the service from this source tree (PYTHONPATH): the `-before` arms' revision."""
     first_token_delta: str | None = None
     """The tier's δ objective on the first token (`latency_delta: {first_token: D}`); the
     arm first sends a few quiet requests one at a time, so the gateway learns the alone
@@ -155,6 +159,14 @@ def delta_arms(deltas: Sequence[str]) -> tuple[Arm, ...]:
     return tuple(Arm(f"room-first-{d}", "service", "room", first_token_delta=d) for d in deltas)
 
 
+def before_arms(source: Path) -> tuple[Arm, ...]:
+    """`room-before` and `over-before`: the service of another revision (`--before REV`)."""
+    return (
+        Arm("room-before", "service", "room", phases=True, source=source),
+        Arm("over-before", "service", "over", source=source),
+    )
+
+
 def policy_text(endpoint: str, first_token_delta: str | None = None) -> str:
     """Our full policy: the defaults (DRR, headroom, adaptive soft limit, overload shedding),
     and a first-token δ objective if given."""
@@ -201,12 +213,14 @@ def front(arm: Arm, workdir: Path, endpoint: str, kvwarden_venv: Path) -> Iterat
             yield gateway
         return
     edit = phases.timed_bootstrap  # every Envoy arm logs; the alone arms' phases are the table
+    env = None if arm.source is None else {**os.environ, "PYTHONPATH": str(arm.source)}
     with gateway_stack(
         workdir / arm.name,
         policy_text(endpoint, arm.first_token_delta),
         FRONTS[arm.front],
         bootstrap_edit=edit,
         accounting_process=arm.accounting_process,
+        extproc_env=env,
     ) as gateway:
         yield gateway
 
@@ -504,6 +518,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--first-token-deltas", default=",".join(DEFAULT_FIRST_TOKEN_DELTAS),
         help="first-token objectives of the room-first-D arms (default %(default)s)",
     )  # fmt: skip
+    parser.add_argument(
+        "--before", metavar="REV",
+        help="also offer the arms room-before and over-before: the service of git revision REV",
+    )  # fmt: skip
     parser.add_argument("--kvwarden-venv", type=Path, default=DEFAULT_VENV)
     parser.add_argument("--no-kvwarden", action="store_true", help="skip the kvwarden arms")
     parser.add_argument("--over-rate", type=float, help="flooder requests/s in `over` (48)")
@@ -523,6 +541,9 @@ def main(args: argparse.Namespace) -> int:
         work = replace(work, over_rate=args.over_rate)
     deltas = [d.strip() for d in args.first_token_deltas.split(",") if d.strip()]
     every = (*ARMS, *delta_arms(deltas))
+    if args.before:
+        source = revisions.tree_of_rev(args.before, scenario.workdir_of(args) / "before-src")
+        every = (*every, *before_arms(source))
     arms = list(every)
     if args.arms:
         wanted = [a.strip() for a in args.arms.split(",") if a.strip()]
