@@ -155,8 +155,12 @@ DEFAULT_FIRST_TOKEN_DELTAS = ("10ms", "30ms")
 
 def delta_arms(deltas: Sequence[str]) -> tuple[Arm, ...]:
     """`room-first-D`: the room load, our policy with a first-token objective D (issue 15's
-    target on kvwarden's workload)."""
-    return tuple(Arm(f"room-first-{d}", "service", "room", first_token_delta=d) for d in deltas)
+    target on kvwarden's workload); `over-first-D`, the same above the engine's capacity."""
+    return tuple(
+        Arm(f"{load}-first-{d}", "service", load, first_token_delta=d)
+        for load in ("room", "over")
+        for d in deltas
+    )
 
 
 def before_arms(source: Path) -> tuple[Arm, ...]:
@@ -511,8 +515,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     scenario.add_scenario_arguments(parser, DEFAULT_OUT, "measured seconds per arm")
     parser.add_argument(
         "--arms",
-        help=f"comma-separated subset of {[a.name for a in ARMS]} and room-first-D for each D "
-        "of --first-token-deltas",
+        help=f"comma-separated subset of {[a.name for a in ARMS]} and room-first-D and "
+        "over-first-D for each D of --first-token-deltas",
     )
     parser.add_argument(
         "--first-token-deltas", default=",".join(DEFAULT_FIRST_TOKEN_DELTAS),

@@ -165,8 +165,10 @@ def test_kvwarden_workload_target_needs_the_tail_and_twice_the_peers_flooder_tok
 
 
 def test_delta_arms_write_a_first_token_objective_and_prime_the_alone_model() -> None:
-    (arm,) = delta_arms(["25ms"])
+    arm, over = delta_arms(["25ms"])
     assert arm.name == "room-first-25ms" and arm.load == "room" and arm.front == "service"
+    assert over.name == "over-first-25ms" and over.load == "over"
+    assert over.first_token_delta == arm.first_token_delta
     policy = policy_from_text(policy_text("127.0.0.1:1", arm.first_token_delta))
     delta = policy.source.tier_options["standard"].latency_delta
     assert delta is not None
