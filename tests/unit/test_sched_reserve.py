@@ -4,20 +4,23 @@ at once, instead of waiting for the backlogged tenants' requests to drain down t
 
 from __future__ import annotations
 
-from extproc.policy import policy_from_text
+from extproc.policy import Policy, policy_from_text
 from extproc.scheduler import ManualClock, Scheduler, Ticket
 from extproc.scheduler.adaptive import AdaptiveSettings, EngineCapacities, EngineSample
 
 HEADROOM = 2
-POLICY = policy_from_text("""\
+
+
+def _policy(pool_keys: str) -> Policy:
+    return policy_from_text(f"""\
 version: 1
 tiers: [standard]
 tenants:
-  flood: {tier: standard, limits: {max_queued: 1000}}
-  quiet: {tier: standard, limits: {max_queued: 1000}}
+  flood: {{tier: standard, limits: {{max_queued: 1000}}}}
+  quiet: {{tier: standard, limits: {{max_queued: 1000}}}}
 pools:
-  p: {max_total_tokens: 100000, max_inflight: 64, max_inflight_tokens: 10000000,
-      endpoints: ["127.0.0.1:1"], prefill_budget_tokens: 0}
+  p: {{max_total_tokens: 100000, max_inflight_tokens: 10000000, endpoints: ["127.0.0.1:1"],
+      prefill_budget_tokens: 0, {pool_keys}}}
 """)
 
 
@@ -30,7 +33,7 @@ def _cut_pool() -> tuple[Scheduler, EngineCapacities, list[int]]:
     )
     capacities = EngineCapacities({"p": settings})
     clock = ManualClock(0.0)
-    sched = Scheduler(POLICY, clock, capacity_factory=capacities.factory)
+    sched = Scheduler(_policy("max_inflight: 64"), clock, capacity_factory=capacities.factory)
     for i in range(40):
         assert sched.submit(Ticket(f"f{i}", "flood", "p", 100, 100)) is None
     flood = [a.lease.lease_id for a in sched.dispatch()]
@@ -67,17 +70,7 @@ def test_the_reserve_is_only_for_light_tenants() -> None:
 
 
 def test_a_static_pool_has_no_reserve_beyond_its_hard_limit() -> None:
-    policy = policy_from_text("""\
-version: 1
-tiers: [standard]
-tenants:
-  flood: {tier: standard, limits: {max_queued: 1000}}
-  quiet: {tier: standard, limits: {max_queued: 1000}}
-pools:
-  p: {max_total_tokens: 100000, max_inflight: 6, max_inflight_tokens: 10000000,
-      endpoints: ["127.0.0.1:1"], headroom: 2, adaptive: {enabled: false},
-      prefill_budget_tokens: 0}
-""")
+    policy = _policy("max_inflight: 6, headroom: 2, adaptive: {enabled: false}")
     sched = Scheduler(policy, ManualClock(0.0))
     for i in range(10):
         assert sched.submit(Ticket(f"f{i}", "flood", "p", 100, 100)) is None
