@@ -12,6 +12,7 @@ stream to them.
 from __future__ import annotations
 
 import asyncio
+import socket
 from asyncio import BaseTransport
 from collections.abc import AsyncIterator, Sequence
 from typing import Any, Protocol
@@ -100,6 +101,6 @@ async def start_grpclib_server(
     """The server, started, and the port it listens on (`port` 0: one the kernel picked)."""
     server = _Server([ProcessHandler(servicer)])
     await server.start(host, port, reuse_address=True)
-    listening = server._server
-    assert isinstance(listening, asyncio.Server)  # what loop.create_server returns
-    return server, int(listening.sockets[0].getsockname()[1])
+    # asyncio's and uvloop's servers both have `sockets` (typeshed's AbstractServer does not)
+    sockets: list[socket.socket] = getattr(server._server, "sockets", [])
+    return server, int(sockets[0].getsockname()[1])

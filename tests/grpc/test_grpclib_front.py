@@ -68,3 +68,25 @@ async def test_more_open_streams_than_h2s_default_limit() -> None:
     finally:
         server.close()
         await asyncio.wait_for(server.wait_closed(), 10)
+
+
+def test_serves_on_uvloop_as_the_noop_server_runs() -> None:
+    """`python -m gateway_lab.bench.noop --grpclib` runs on uvloop, whose server type is not
+    asyncio's: the port must still be found."""
+    uvloop = pytest.importorskip("uvloop")
+
+    async def main() -> int:
+        server, port = await start_grpclib_server(NoopProcessor(), "127.0.0.1", 0)
+        try:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+                call = ext_proc_grpc.ExternalProcessorStub(channel).Process()
+                await asyncio.wait_for(call.write(HEADERS), 10)
+                reply = await asyncio.wait_for(call.read(), 10)
+                assert reply.HasField("request_headers")
+                call.cancel()
+        finally:
+            server.close()
+            await asyncio.wait_for(server.wait_closed(), 10)
+        return port
+
+    assert uvloop.run(main()) > 0
