@@ -178,34 +178,46 @@ def test_delta_arms_write_a_first_token_objective_and_prime_the_alone_model() ->
 
 def test_each_named_process_is_charged_once(tmp_path: Path) -> None:
     """The load generator's descendants are the stacks it started: a stack named on its own
-    is counted under its name, not again under the load generator's."""
-    ready = tmp_path / "ready"
-    # A named child whose own child (a worker) burns CPU until killed.
-    script = (
-        "import os, subprocess, sys, time\n"
+    is counted under its name, not again under the load generator's. The tree is built fresh
+    (load generator -> stack -> a CPU-burning worker), so no other child of the test process
+    is in it."""
+    pids = tmp_path / "pids"
+    stack_script = (
+        "import subprocess, sys\n"
         "worker = subprocess.Popen([sys.executable, '-c', 'while True: pass'])\n"
-        f"open({str(ready)!r}, 'w').write(str(worker.pid))\n"
+        "print(worker.pid, flush=True)\n"
         "worker.wait()\n"
     )
-    stack = subprocess.Popen([sys.executable, "-c", script])
-    worker_pid = 0
+    loadgen_script = (
+        "import os, subprocess, sys, time\n"
+        f"stack = subprocess.Popen([sys.executable, '-c', {stack_script!r}],"
+        " stdout=subprocess.PIPE, text=True)\n"
+        "worker = stack.stdout.readline().strip()\n"
+        f"open({str(pids)!r} + '.tmp', 'w').write(f'{{stack.pid}} {{worker}}')\n"
+        f"os.replace({str(pids)!r} + '.tmp', {str(pids)!r})\n"
+        "stack.wait()\n"
+    )
+    loadgen = subprocess.Popen([sys.executable, "-c", loadgen_script])
+    stack_pid = worker_pid = 0
     try:
-        deadline = time.monotonic() + 20.0
-        while not ready.exists() or not ready.read_text():
+        deadline = time.monotonic() + 30.0
+        while not pids.exists():
+            assert loadgen.poll() is None, "the load generator stopped"
             assert time.monotonic() < deadline, "the stack's worker did not start"
             time.sleep(0.01)
-        worker_pid = int(ready.read_text())
-        assert descendants(os.getpid(), stop_at={stack.pid}) == []
-        assert worker_pid in descendants(stack.pid)
-        while cpu_seconds(worker_pid) < 0.3:  # the worker has used measurable CPU
+        stack_pid, worker_pid = (int(x) for x in pids.read_text().split())
+        assert descendants(loadgen.pid, stop_at={stack_pid}) == []
+        assert worker_pid in descendants(stack_pid)
+        while cpu_seconds(worker_pid) < 0.5:  # the worker has used measurable CPU
             assert time.monotonic() < deadline, "the worker used no CPU"
             time.sleep(0.01)
-        charged = group_cpu({"loadgen": os.getpid(), "stack": stack.pid})
-        assert charged["stack"] >= 0.3  # the worker's CPU, under its stack's name
-        assert charged["loadgen"] <= cpu_seconds(os.getpid()) + 0.05  # and not again here
+        charged = group_cpu({"loadgen": loadgen.pid, "stack": stack_pid})
+        assert charged["stack"] >= 0.5  # the worker's CPU, under its stack's name
+        assert charged["loadgen"] < 0.4  # its own start-up only, not the worker's again
     finally:
-        if worker_pid:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(worker_pid, signal.SIGKILL)
-        stack.kill()
-        stack.wait(timeout=10)
+        for pid in (worker_pid, stack_pid):
+            if pid:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+        loadgen.kill()
+        loadgen.wait(timeout=10)
