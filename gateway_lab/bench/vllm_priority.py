@@ -162,7 +162,13 @@ async def drive_arm(
         "static": arm.static,
         "window_s": [start, end],
         "quiet": {"ttft": ttft_stats(quiet), "status": status_counts(quiet)},
-        "flood": {"status": status_counts(flood)},
+        "flood": {
+            "status": status_counts(flood),
+            # The flooder's first wave starts before the window; in a --quick run the requests
+            # that start inside it may all still be running when the run is cut.
+            "status_whole_run": status_counts([r for r in load.records if r.tenant == FLOOD]),
+            "output_tokens_per_s": meter.total(FLOOD, start, end) / window,
+        },
         "output_tokens_per_s": sum(
             meter.total(tenant, start, end) for tenant in (QUIET, FLOOD)
         ) / window,
