@@ -31,6 +31,7 @@ import contextlib
 import math
 import os
 import random
+import sys
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, replace
@@ -251,17 +252,53 @@ def group_cpu(pids: dict[str, int]) -> dict[str, float]:
     return out
 
 
+async def run_probe(
+    gateway: Gateway, seconds: float, cores: frozenset[int] | None
+) -> dict[str, Any] | None:
+    """The reply probe (gateway_lab.bench.reply_probe) against the arm's ext_proc server for
+    `seconds`, in a process of its own on `cores`; None when the arm has no ext_proc server."""
+    if gateway.extproc_grpc is None:
+        return None
+    command = [
+        sys.executable,
+        "-m",
+        "gateway_lab.bench.reply_probe",
+        "--grpc",
+        gateway.extproc_grpc,
+        "--key",
+        KEYS["quiet"],
+        "--seconds",
+        str(seconds),
+    ]
+    if gateway.admin_url is not None:
+        command += ["--admin", gateway.admin_url.removeprefix("http://")]
+    process = await asyncio.create_subprocess_exec(*command, stdout=asyncio.subprocess.PIPE)
+    if cores is not None:
+        pin(process.pid, cores)
+    out, _ = await asyncio.wait_for(process.communicate(), seconds + 30.0)
+    if process.returncode != 0:
+        log(NAME, f"reply probe failed (exit {process.returncode})")
+        return None
+    result: dict[str, Any] = orjson.loads(out)
+    return result
+
+
 async def drive(
-    arm: Arm, gateway: Gateway, work: Workload, timing: Timing, pids: dict[str, int], seed: int
-) -> dict[str, Any]:
+    arm: Arm, gateway: Gateway, work: Workload, timing: Timing, pids: dict[str, int], seed: int,
+    probe_cores: frozenset[int] | None = None, probe: bool = False,
+) -> dict[str, Any]:  # fmt: skip
     url = gateway.base_url + "/v1/completions"
     meter = Meter(bin_s=0.5)
     cpu: dict[str, dict[str, float]] = {}
+    probed: dict[str, Any] = {}
 
     async def sample_cpu() -> None:
         await asyncio.sleep(timing.warmup_s)
         cpu["start"] = group_cpu(pids)
-        await asyncio.sleep(timing.measure_s)
+        if probe:
+            probed["result"] = await run_probe(gateway, timing.measure_s, probe_cores)
+        else:
+            await asyncio.sleep(timing.measure_s)
         cpu["end"] = group_cpu(pids)
 
     async with Load(url, meter, request_timeout_s=timing.measure_s + 60.0) as load:
@@ -282,7 +319,10 @@ async def drive(
                 open_loop(load, flooder, rate, end, seed=seed + 3, start=began, grace_s=0.0)
             )
         await asyncio.gather(*jobs)
-        return summarize(arm, load.records, timing, cpu, began)
+        result = summarize(arm, load.records, timing, cpu, began)
+        if probed.get("result") is not None:
+            result["reply_probe"] = probed["result"]
+        return result
 
 
 def summarize(
@@ -335,6 +375,7 @@ def _median(values: list[float]) -> float:
 def run_arm(
     arm: Arm, endpoint: str, engine_pids: dict[str, int], workdir: Path, work: Workload,
     timing: Timing, split: CoreSplit | None, kvwarden_venv: Path, seed: int,
+    probe: bool = False,
 ) -> dict[str, Any]:  # fmt: skip
     scenario.run_async(wait_engines_idle([endpoint]))
     log(NAME, f"arm {arm.name}: starting {arm.front}")
@@ -345,14 +386,20 @@ def run_arm(
                 pin(pid, split.front)
         result: dict[str, Any] = scenario.run_async(
             drive(arm, gateway, work, timing, {**pids, **engine_pids, "loadgen": os.getpid()},
-                  seed)
+                  seed, None if split is None else split.engine, probe)
         )  # fmt: skip
         envoy_log = workdir / arm.name / "envoy.log"
     if envoy_log.exists():
         logged = phases.read_phase_log(envoy_log)
         result["envoy_details"] = phases.details_by_tenant(logged)
+        quiet_phases = phases.breakdown(logged, "quiet")
+        result["quiet_ext_proc_waits_ms"] = {
+            label.split("the ")[-1]: step
+            for label, step in quiet_phases["steps_ms"].items()
+            if "Envoy waits" in label
+        }
         if arm.phases:
-            result["phases"] = phases.breakdown(logged, "quiet")
+            result["phases"] = quiet_phases
     quiet = result["quiet"]
     log(
         NAME,
@@ -443,9 +490,36 @@ def print_table(summary: dict[str, Any], results: dict[str, dict[str, Any]]) -> 
         )
     phased = {n: r["phases"] for n, r in results.items() if "phases" in r}
     phases.print_breakdown(phased)
+    print_door(results)
     print("\ntargets:")
     for target, met in summary["targets"].items():
         print(f"  {target}: {'met' if met else 'NOT met'}")
+
+
+def print_door(results: dict[str, dict[str, Any]]) -> None:
+    """Per arm with an ext_proc server: how long Envoy waited for the quiet tenant's replies,
+    against how long the server took to answer the probe's headers and its loop's lag."""
+    door = {n: r for n, r in results.items() if r.get("quiet_ext_proc_waits_ms")}
+    if not door:
+        return
+
+    def cell(figures: dict[str, Any] | None, low: str = "p50", high: str = "p90") -> str:
+        if not figures or not figures.get("count"):
+            return "-"
+        return f"{fmt(figures[low])} / {fmt(figures[high])}"
+
+    print("\nthe door's replies, ms p50 / p90 (probe: from the engine's core; lag: p50 / max):")
+    print(f"{'arm':20} {'Envoy waits: headers':>21} {'body':>15} {'probe: headers':>15} "
+          f"{'loop lag':>13}")  # fmt: skip
+    for name, result in door.items():
+        waits = result["quiet_ext_proc_waits_ms"]
+        probe = result.get("reply_probe") or {}
+        print(
+            f"{name:20} {cell(waits.get('request-headers reply')):>21} "
+            f"{cell(waits.get('request-body reply')):>15} "
+            f"{cell(probe.get('headers_reply_ms')):>15} "
+            f"{cell(probe.get('event_loop_lag_ms'), 'p50', 'max'):>13}"
+        )
 
 
 def plot(results: dict[str, dict[str, Any]], summary: dict[str, Any], path: Path) -> None:
@@ -471,6 +545,7 @@ def plot(results: dict[str, dict[str, Any]], summary: dict[str, Any], path: Path
 def run(
     out: Path, workdir: Path, work: Workload, timing: Timing, arms: list[Arm],
     kvwarden_venv: Path, seed: int = 7, profile: str = PROFILE, engine_policy: str = "fcfs",
+    probe: bool = False,
 ) -> dict[str, Any]:  # fmt: skip
     began = time.perf_counter()
     split = split_cores()
@@ -487,7 +562,16 @@ def run(
             pin(os.getpid(), split.front)
         for arm in arms:
             results[arm.name] = run_arm(
-                arm, endpoint, engine_pids, workdir, work, timing, split, kvwarden_venv, seed
+                arm,
+                endpoint,
+                engine_pids,
+                workdir,
+                work,
+                timing,
+                split,
+                kvwarden_venv,
+                seed,
+                probe,
             )
     summary = compare(results)
     report = {
@@ -531,6 +615,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--over-rate", type=float, help="flooder requests/s in `over` (48)")
     parser.add_argument("--seed", type=int, default=7)
     parser.add_argument(
+        "--probe", action="store_true",
+        help="time the ext_proc server's headers reply from the engine's core while each arm "
+        "with one runs (gateway_lab/bench/reply_probe.py), with its event-loop lag",
+    )  # fmt: skip
+    parser.add_argument(
         "--engine-policy", choices=("fcfs", "priority"), default="fcfs",
         help="the engine's --scheduling-policy (default fcfs, as the issue's table; the pools "
         "the project ships run priority, which orders the engine queue by the body's priority "
@@ -563,7 +652,7 @@ def main(args: argparse.Namespace) -> int:
         arms = [a for a in arms if a.front != "kvwarden"]
     run(
         args.out, scenario.workdir_of(args), work, timing, arms, args.kvwarden_venv, args.seed,
-        engine_policy=args.engine_policy,
+        engine_policy=args.engine_policy, probe=args.probe,
     )  # fmt: skip
     return 0
 

@@ -154,6 +154,8 @@ class Gateway:
     base_url: str
     admin_url: str | None
     stack: Stack
+    extproc_grpc: str | None = None
+    """The ext_proc server's gRPC address (None when Envoy goes straight, or not Envoy)."""
 
     @property
     def url(self) -> str:
@@ -260,6 +262,7 @@ def _gateway_children(
         base_url=f"http://{listen}",
         admin_url=f"http://{admin}" if arm == "extproc" else None,
         stack=stack,
+        extproc_grpc=None if arm == "straight" else grpc_address,
     )
     return stack, checks, gateway
 

@@ -1,6 +1,7 @@
 """Smoke run of `extproc bench self-overload` (--quick, three arms): the real Envoy, the
 service and a pinned emulated engine for a few seconds per arm must leave well-formed
-outputs, the phase breakdown among them. The figures are not checked (shared cores)."""
+outputs, the phase breakdown and the reply probe among them. The figures are not checked
+(shared cores)."""
 
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ def test_self_overload_quick(tmp_path: Path, capsys: pytest.CaptureFixture[str])
     args = parser.parse_args(
         [
             "--quick", "--out", str(out), "--workdir", str(tmp_path / "w"), "--no-kvwarden",
-            "--arms", "alone-straight,alone-service,room-full,room-first-30ms",
+            "--probe", "--arms", "alone-straight,alone-service,room-full,room-first-30ms",
         ]
     )  # fmt: skip
     assert self_overload.main(args) == 0
@@ -40,6 +41,15 @@ def test_self_overload_quick(tmp_path: Path, capsys: pytest.CaptureFixture[str])
     assert "request -> upstream (ext_proc headers + body)" in phases["steps_ms"]
     assert "flooder" in json.dumps(data["arms"]["room-full"]["envoy_details"])
     assert isinstance(data["summary"]["targets"]["added_p50_ms<=1.0"], bool)
+    # the probe timed the service's headers reply and read its loop lag; Envoy straight has
+    # no ext_proc server to probe
+    assert "reply_probe" not in data["arms"]["alone-straight"]
+    probe = data["arms"]["room-full"]["reply_probe"]
+    assert probe["failures"] == 0 and probe["headers_reply_ms"]["count"] >= 3
+    assert 0 < probe["headers_reply_ms"]["p50"] < 10_000
+    assert probe["event_loop_lag_ms"]["count"] >= 3
+    waits = data["arms"]["room-full"]["quiet_ext_proc_waits_ms"]
+    assert waits["request-headers reply"]["count"] >= 1
     # the δ arm primed the alone model before its load (six quiet requests before the window)
     first = data["arms"]["room-first-30ms"]
     assert first["flooder_output_tok_s"] > 0
@@ -48,3 +58,4 @@ def test_self_overload_quick(tmp_path: Path, capsys: pytest.CaptureFixture[str])
     assert before_flood >= ALONE_PRIMING and {row[0] for row in rows[:before_flood]} == {"quiet"}
     assert (out / "self-overload.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "per-phase medians" in printed and "targets:" in printed
+    assert "the door's replies" in printed
