@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import math
 import re
 import sys
 import time
@@ -38,9 +37,12 @@ _LAG = re.compile(r"^extproc_event_loop_lag_seconds\s+(\S+)$", re.MULTILINE)
 
 
 def percentiles(values: list[float]) -> dict[str, float]:
-    """count, p50, p90, p99 and max of `values` (nearest rank); NaN figures when empty."""
+    """count, p50, p90, p99 and max of `values` (nearest rank); just the count when empty,
+    so the output stays strict JSON."""
+    if not values:
+        return {"count": 0}
     summary = {f"p{q}": percentile(values, q) for q in (50, 90, 99)}
-    return {"count": len(values), **summary, "max": max(values) if values else math.nan}
+    return {"count": len(values), **summary, "max": max(values)}
 
 
 async def headers_reply_ms(stub: Any, key: str, path: str = "/v1/completions") -> float:
@@ -111,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--interval", type=float, default=INTERVAL_S)
     args = parser.parse_args(argv)
     result = asyncio.run(probe(args.grpc, args.key, args.seconds, args.admin, args.interval))
-    json.dump(result, sys.stdout)
+    json.dump(result, sys.stdout, allow_nan=False)
     print()
     return 0
 
