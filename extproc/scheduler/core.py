@@ -93,7 +93,11 @@ from extproc.policy.runtime import Policy
 from extproc.scheduler import estimates, retry_after, shares
 from extproc.scheduler.capacity import Capacity, StaticCapacity
 from extproc.scheduler.clock import Clock
-from extproc.scheduler.dispatch import Dispatcher, dispatchable_now
+from extproc.scheduler.dispatch import (
+    Dispatcher,
+    dispatchable_now,
+    some_request_dispatchable_now,
+)
 from extproc.scheduler.leases import Leases
 from extproc.scheduler.limits import LimitStore, MemoryLimitStore, Take
 from extproc.scheduler.live import CapacityFactory, Live
@@ -207,13 +211,7 @@ class Scheduler:
         if state.queued >= spec.limits.max_queued and not dispatchable_now(
             state, spec, pool, rank, ticket
         ):
-            retry = estimates.queue_full_retry_after(state, now)
-            message = (
-                f"tenant {ticket.tenant!r} already has {state.queued} requests queued "
-                f"(max_queued {spec.limits.max_queued}); retry after {retry}s"
-            )
-            peeked = live.limiter.peek_headers(ticket.tenant, ticket.endpoint, spec, now)
-            return reject(ticket, Outcome.REJECTED_QUEUE_FULL, 429, retry, message, peeked)
+            return self._queue_full(ticket.request_id, ticket.tenant, ticket.endpoint, now)
 
         if ticket.deadline is not None:
             wait_limit = spec.limits.max_queue_wait
@@ -232,6 +230,49 @@ class Scheduler:
                 return reject(ticket, Outcome.SHED, 503, retry, message)
 
         return None
+
+    def _queue_full(
+        self, request_id: str, tenant: str, endpoint: EndpointClass, now: float
+    ) -> Rejection:
+        live = self._live
+        spec = live.policy.source.tenants[tenant]
+        state = live.tenant(tenant)
+        retry = estimates.queue_full_retry_after(state, now)
+        message = (
+            f"tenant {tenant!r} already has {state.queued} requests queued "
+            f"(max_queued {spec.limits.max_queued}); retry after {retry}s"
+        )
+        return Rejection(
+            request_id=request_id,
+            tenant=tenant,
+            outcome=Outcome.REJECTED_QUEUE_FULL,
+            http_status=429,
+            retry_after_s=retry,
+            message=message,
+            headers=live.limiter.peek_headers(tenant, endpoint, spec, now),
+        )
+
+    def queue_full_whatever_the_body(
+        self, request_id: str, tenant: str, endpoint: EndpointClass
+    ) -> Rejection | None:
+        """The queue-full refusal `submit` would give any request of `tenant` to `endpoint`
+        now, whatever its pool and size; None when that depends on the request. It does not
+        when the tenant has `max_queued` requests queued and no request of it could go
+        straight through any pool (`some_request_dispatchable_now`). The service asks at the
+        request headers: refused there, a request costs the door two messages fewer (Envoy
+        sends no body, and the accounting stream no request headers)."""
+        live = self._live
+        spec = live.policy.tenant(tenant)
+        state = live.tenants.get(tenant)
+        if spec is None or state is None or state.queued < spec.limits.max_queued:
+            return None
+        rank = live.rank(spec)
+        pools = [pool for pool in live.pools.values() if not pool.retired]
+        if not pools or any(
+            some_request_dispatchable_now(state, spec, pool, rank, endpoint) for pool in pools
+        ):
+            return None
+        return self._queue_full(request_id, tenant, endpoint, self.clock.now())
 
     def rate_takes(self, ticket: Ticket) -> list[Take]:
         """The bucket charges `submit` makes for the ticket (in dimension order)."""

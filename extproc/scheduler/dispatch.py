@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from extproc.endpoints import EndpointClass
 from extproc.policy.model import Tenant
 from extproc.scheduler.live import Live, below_class_concurrency, below_concurrency
 from extproc.scheduler.pools import PoolState
@@ -269,9 +270,24 @@ def dispatchable_now(
     state: TenantState, spec: Tenant, pool: PoolState, rank: int, ticket: Ticket
 ) -> bool:
     """Would a new request go straight through (so it never occupies a queue slot)?"""
-    if not below_concurrency(state, spec) or not pool.capacity.fits(ticket.budget):
+    return _straight_through(state, spec, pool, rank, ticket.endpoint, ticket.budget)
+
+
+def some_request_dispatchable_now(
+    state: TenantState, spec: Tenant, pool: PoolState, rank: int, endpoint: EndpointClass
+) -> bool:
+    """Would some new request to `endpoint` (the smallest, `fits` being monotone) go straight
+    through: `dispatchable_now` before the request's size is known."""
+    return _straight_through(state, spec, pool, rank, endpoint, 1)
+
+
+def _straight_through(
+    state: TenantState, spec: Tenant, pool: PoolState, rank: int, endpoint: EndpointClass,
+    budget: int,
+) -> bool:  # fmt: skip
+    if not below_concurrency(state, spec) or not pool.capacity.fits(budget):
         return False
-    if not below_class_concurrency(state, spec, ticket.endpoint):
+    if not below_class_concurrency(state, spec, endpoint):
         return False
     if pool.held is not None and pool.held.rank <= rank:
         return False

@@ -14,8 +14,9 @@ import contextlib
 import time
 from collections.abc import Callable
 
-from extproc.admission import AdmissionController, Grant
-from extproc.errors import overloaded
+from extproc.admission import AdmissionController, Grant, rejection_error
+from extproc.endpoints import EndpointClass
+from extproc.errors import GatewayError, overloaded
 from extproc.estimation import TokenEstimator
 from extproc.metrics import Metrics
 from extproc.openai_request import PromptParts
@@ -141,6 +142,12 @@ class Gateway:
 
     def now(self) -> float:
         return self.scheduler.clock.now()
+
+    def refused_before_body(
+        self, request_id: str, tenant: str, endpoint: EndpointClass
+    ) -> GatewayError | None:
+        rejection = self.scheduler.queue_full_whatever_the_body(request_id, tenant, endpoint)
+        return None if rejection is None else rejection_error(rejection)
 
     def submit(self, ticket: Ticket) -> asyncio.Future[Grant]:
         overload = self.overload

@@ -12,6 +12,8 @@ import asyncio
 from typing import Protocol
 
 from extproc.admission import Grant
+from extproc.endpoints import EndpointClass
+from extproc.errors import GatewayError
 from extproc.openai_request import PromptParts
 from extproc.policy import Policy
 from extproc.scheduler import Ticket
@@ -28,6 +30,12 @@ class AdmissionPort(Protocol):
 
     def now(self) -> float:
         """The admission clock (ticket deadlines are on it)."""
+
+    def refused_before_body(
+        self, request_id: str, tenant: str, endpoint: EndpointClass
+    ) -> GatewayError | None:
+        """The refusal any request of `tenant` to `endpoint` would get now whatever its body
+        says (a full queue), or None: asked at the request headers."""
 
     def submit(self, ticket: Ticket) -> asyncio.Future[Grant]:
         """Queue for admission: the future resolves to a grant or raises GatewayError."""

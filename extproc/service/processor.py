@@ -22,7 +22,7 @@ from envoy.service.ext_proc.v3.external_processor_pb2 import (
 )
 
 from extproc.admission import Grant
-from extproc.endpoints import GENERATIVE_CLASSES, POOLING_CLASSES, EndpointClass
+from extproc.endpoints import GENERATIVE_CLASSES, POOLING_CLASSES, EndpointClass, endpoint_class
 from extproc.errors import (
     GatewayError,
     bad_request,
@@ -178,6 +178,13 @@ class AdmissionProcessor:
             return responses.continue_request_headers(
                 *self._upstream_headers(), clear_route_cache=True
             )
+        endpoint = endpoint_class(state.path)
+        if endpoint is not None:
+            # Refused now, Envoy sends no body and the accounting filter behind this one no
+            # request headers: a flooder's refusals cost the door two messages less each.
+            refused = self.port.refused_before_body(state.request_id, state.tenant, endpoint)
+            if refused is not None:
+                return self._reject(refused)
         # The identified tenant now, the client's claims gone: what Envoy's access log shows
         # if the body is rejected (the route is chosen again once the pool is known).
         return responses.continue_request_headers(*self._upstream_headers())

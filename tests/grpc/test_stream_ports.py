@@ -8,6 +8,8 @@ import orjson
 from envoy.service.ext_proc.v3.external_processor_pb2 import HttpBody
 
 from extproc.admission import Grant
+from extproc.endpoints import EndpointClass
+from extproc.errors import GatewayError
 from extproc.openai_request import PromptParts
 from extproc.policy import Policy, policy_from_text
 from extproc.scheduler import Ticket
@@ -37,6 +39,11 @@ class FakeAdmission:
 
     def now(self) -> float:
         return 100.0
+
+    def refused_before_body(
+        self, request_id: str, tenant: str, endpoint: EndpointClass
+    ) -> GatewayError | None:
+        return None
 
     def submit(self, ticket: Ticket) -> asyncio.Future[Grant]:
         self.tickets.append(ticket)
