@@ -44,6 +44,8 @@ def test_self_overload_quick(tmp_path: Path, capsys: pytest.CaptureFixture[str])
     # the probe timed the service's headers reply and read its loop lag; Envoy straight has
     # no ext_proc server to probe
     assert "reply_probe" not in data["arms"]["alone-straight"]
+    # ... and its CPU figures still cover the whole window (the load generator's own work)
+    assert data["arms"]["alone-straight"]["cpu_cores"]["loadgen"] > 0
     probe = data["arms"]["room-full"]["reply_probe"]
     assert probe["failures"] == 0 and probe["headers_reply_ms"]["count"] >= 3
     assert 0 < probe["headers_reply_ms"]["p50"] < 10_000
