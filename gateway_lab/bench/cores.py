@@ -10,6 +10,8 @@ from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
 
+from gateway_lab.bench.stack import cpu_seconds
+
 
 @dataclass(frozen=True)
 class CoreSplit:
@@ -60,4 +62,18 @@ def descendants(pid: int, stop_at: Collection[int] = ()) -> list[int]:
             continue
         out.append(child)
         pending.extend(children(child))
+    return out
+
+
+def group_cpu(pids: dict[str, int]) -> dict[str, float]:
+    """CPU seconds of each named process with its descendants (workers), except those named
+    themselves: the load generator's are the stacks it started, counted under their names."""
+    out: dict[str, float] = {}
+    named = set(pids.values())
+    for name, pid in pids.items():
+        total = 0.0
+        for process in (pid, *descendants(pid, stop_at=named)):
+            with contextlib.suppress(FileNotFoundError, ProcessLookupError, IndexError):
+                total += cpu_seconds(process)
+        out[name] = total
     return out

@@ -138,6 +138,13 @@ def breakdown(rows: Sequence[Mapping[str, Any]], tenant: str | None = None) -> d
     return {"requests": len(chosen), "phases_ms": phases, "steps_ms": steps}
 
 
+def ext_proc_waits(breakdown_: Mapping[str, Any]) -> dict[str, dict[str, float]]:
+    """How long Envoy waited for each ext_proc reply, from a `breakdown`, by field name
+    (`ext_proc_request_header_latency_us`, ...); the fields no request logged are left out."""
+    steps = breakdown_["steps_ms"]
+    return {name: steps[label] for name, label in EXT_PROC_STEPS.items() if label in steps}
+
+
 def details_by_tenant(rows: Sequence[Mapping[str, Any]]) -> dict[str, dict[str, int]]:
     """Per tenant, how many answers of each "status details" (504
     `ext_proc_error_per-message_timeout_exceeded`, `via_upstream`, ...)."""

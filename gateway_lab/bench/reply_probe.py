@@ -10,7 +10,8 @@ While it runs it also reads the service's event-loop lag from its /metrics (when
 address is given): a late loop and a late reply are different findings.
 
 `python -m gateway_lab.bench.reply_probe --grpc ADDR --key KEY --seconds S [--admin ADDR]`
-prints one JSON object; `self-overload --probe` runs it per arm, pinned to the engine's core.
+prints one JSON object; `self-overload --probe` runs it per arm (`run_beside`), pinned to the
+engine's core, and prints it beside Envoy's waits (`print_door`).
 """
 
 from __future__ import annotations
@@ -29,7 +30,9 @@ from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ext_proc_gr
 from envoy.service.ext_proc.v3.external_processor_pb2 import ProcessingRequest
 
 from extproc.service.processor import http_headers
+from gateway_lab.bench.cores import pin
 from gateway_lab.bench.records import percentile
+from gateway_lab.bench.stats import fmt
 
 INTERVAL_S = 0.25
 REPLY_TIMEOUT_S = 10.0
@@ -102,6 +105,57 @@ async def probe(
         "failures": failures,
         "event_loop_lag_ms": percentiles(lags),
     }
+
+
+async def run_beside(
+    grpc_address: str, admin_url: str | None, key: str, seconds: float,
+    cores: frozenset[int] | None,
+) -> dict[str, Any] | None:  # fmt: skip
+    """The probe for `seconds` in a process of its own on `cores` (so it takes no CPU from
+    the server it times); None if it failed."""
+    command = [sys.executable, "-m", __name__, "--grpc", grpc_address, "--key", key,
+               "--seconds", str(seconds)]  # fmt: skip
+    if admin_url is not None:
+        command += ["--admin", admin_url.removeprefix("http://")]
+    process = await asyncio.create_subprocess_exec(*command, stdout=asyncio.subprocess.PIPE)
+    if cores is not None:
+        pin(process.pid, cores)
+    out, _ = await asyncio.wait_for(process.communicate(), seconds + 30.0)
+    if process.returncode != 0:
+        print(f"reply probe failed (exit {process.returncode})", file=sys.stderr)
+        return None
+    result: dict[str, Any] = json.loads(out)
+    return result
+
+
+_HEADERS_WAIT = "ext_proc_request_header_latency_us"
+_BODY_WAIT = "ext_proc_request_body_total_latency_us"
+
+
+def print_door(results: dict[str, dict[str, Any]]) -> None:
+    """Per arm with an ext_proc server: how long Envoy waited for the quiet tenant's replies
+    (`quiet_ext_proc_waits_ms`, from the access log), against how long the server took to
+    answer the probe's headers, and its loop's lag."""
+    door = {n: r for n, r in results.items() if r.get("quiet_ext_proc_waits_ms")}
+    if not door:
+        return
+
+    def cell(figures: dict[str, Any] | None, low: str = "p50", high: str = "p90") -> str:
+        if not figures or not figures.get("count"):
+            return "-"
+        return f"{fmt(figures[low])} / {fmt(figures[high])}"
+
+    print("\nthe door's replies, ms p50 / p90 (probe: from the engine's core; lag: p50 / max):")
+    print(f"{'arm':20} {'Envoy waits: headers':>21} {'body':>15} {'probe: headers':>15} "
+          f"{'loop lag':>13}")  # fmt: skip
+    for name, result in door.items():
+        waits = result["quiet_ext_proc_waits_ms"]
+        probe_ = result.get("reply_probe") or {}
+        print(
+            f"{name:20} {cell(waits.get(_HEADERS_WAIT)):>21} {cell(waits.get(_BODY_WAIT)):>15} "
+            f"{cell(probe_.get('headers_reply_ms')):>15} "
+            f"{cell(probe_.get('event_loop_lag_ms'), 'p50', 'max'):>13}"
+        )
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -31,7 +31,6 @@ import contextlib
 import math
 import os
 import random
-import sys
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, replace
@@ -41,14 +40,14 @@ from typing import Any
 import orjson
 
 from extproc.policy import hash_key
-from gateway_lab.bench import phases, revisions, scenario
-from gateway_lab.bench.cores import CoreSplit, descendants, pin, split_cores
+from gateway_lab.bench import phases, reply_probe, revisions, scenario
+from gateway_lab.bench.cores import CoreSplit, descendants, group_cpu, pin, split_cores
 from gateway_lab.bench.kvwarden_front import DEFAULT_VENV, kvwarden_front
 from gateway_lab.bench.loadgen import Load, open_loop
 from gateway_lab.bench.monitor import log, wait_engines_idle
 from gateway_lab.bench.noisy_isolation import prime_alone
 from gateway_lab.bench.records import RECORD_COLUMNS, Meter, Record, Spec
-from gateway_lab.bench.stack import PROFILE, Gateway, cpu_seconds, engine_set, gateway_stack
+from gateway_lab.bench.stack import PROFILE, Gateway, engine_set, gateway_stack
 from gateway_lab.bench.stats import fmt, status_counts, ttft_stats, within
 
 NAME = "self-overload"
@@ -238,51 +237,6 @@ def front_pids(gateway: Gateway) -> dict[str, int]:
     }
 
 
-def group_cpu(pids: dict[str, int]) -> dict[str, float]:
-    """CPU seconds of each named process with its descendants (workers), except those named
-    themselves: the load generator's are the stacks it started, counted under their names."""
-    out: dict[str, float] = {}
-    named = set(pids.values())
-    for name, pid in pids.items():
-        total = 0.0
-        for process in (pid, *descendants(pid, stop_at=named)):
-            with contextlib.suppress(FileNotFoundError, ProcessLookupError, IndexError):
-                total += cpu_seconds(process)
-        out[name] = total
-    return out
-
-
-async def run_probe(
-    gateway: Gateway, seconds: float, cores: frozenset[int] | None
-) -> dict[str, Any] | None:
-    """The reply probe (gateway_lab.bench.reply_probe) against the arm's ext_proc server for
-    `seconds`, in a process of its own on `cores`; None when the arm has no ext_proc server."""
-    if gateway.extproc_grpc is None:
-        return None
-    command = [
-        sys.executable,
-        "-m",
-        "gateway_lab.bench.reply_probe",
-        "--grpc",
-        gateway.extproc_grpc,
-        "--key",
-        KEYS["quiet"],
-        "--seconds",
-        str(seconds),
-    ]
-    if gateway.admin_url is not None:
-        command += ["--admin", gateway.admin_url.removeprefix("http://")]
-    process = await asyncio.create_subprocess_exec(*command, stdout=asyncio.subprocess.PIPE)
-    if cores is not None:
-        pin(process.pid, cores)
-    out, _ = await asyncio.wait_for(process.communicate(), seconds + 30.0)
-    if process.returncode != 0:
-        log(NAME, f"reply probe failed (exit {process.returncode})")
-        return None
-    result: dict[str, Any] = orjson.loads(out)
-    return result
-
-
 async def drive(
     arm: Arm, gateway: Gateway, work: Workload, timing: Timing, pids: dict[str, int], seed: int,
     probe_cores: frozenset[int] | None = None, probe: bool = False,
@@ -290,21 +244,22 @@ async def drive(
     url = gateway.base_url + "/v1/completions"
     meter = Meter(bin_s=0.5)
     cpu: dict[str, dict[str, float]] = {}
-    probed: dict[str, Any] = {}
 
-    async def sample_cpu() -> None:
+    async def sample_cpu() -> dict[str, Any] | None:
+        """The window's CPU figures, and the reply probe's, which runs beside the window."""
         await asyncio.sleep(timing.warmup_s)
         cpu["start"] = group_cpu(pids)
-        # the probe runs beside the window, which the CPU figures cover whatever it does
-        probing = (
-            asyncio.create_task(run_probe(gateway, timing.measure_s, probe_cores))
-            if probe
-            else None
-        )
+        probing = None
+        if probe and gateway.extproc_grpc is not None:
+            probing = asyncio.create_task(
+                reply_probe.run_beside(
+                    gateway.extproc_grpc, gateway.admin_url, KEYS["quiet"], timing.measure_s,
+                    probe_cores,
+                )
+            )  # fmt: skip
         await asyncio.sleep(timing.measure_s)
         cpu["end"] = group_cpu(pids)
-        if probing is not None:
-            probed["result"] = await probing
+        return None if probing is None else await probing
 
     async with Load(url, meter, request_timeout_s=timing.measure_s + 60.0) as load:
         quiet = maker("quiet", work.quiet_output, work, seed, arm.include_usage)
@@ -323,10 +278,10 @@ async def drive(
             jobs.append(
                 open_loop(load, flooder, rate, end, seed=seed + 3, start=began, grace_s=0.0)
             )
-        await asyncio.gather(*jobs)
+        probed = (await asyncio.gather(*jobs))[1]
         result = summarize(arm, load.records, timing, cpu, began)
-        if probed.get("result") is not None:
-            result["reply_probe"] = probed["result"]
+        if probed is not None:
+            result["reply_probe"] = probed
         return result
 
 
@@ -398,11 +353,7 @@ def run_arm(
         logged = phases.read_phase_log(envoy_log)
         result["envoy_details"] = phases.details_by_tenant(logged)
         quiet_phases = phases.breakdown(logged, "quiet")
-        result["quiet_ext_proc_waits_ms"] = {
-            label.split("the ")[-1]: step
-            for label, step in quiet_phases["steps_ms"].items()
-            if "Envoy waits" in label
-        }
+        result["quiet_ext_proc_waits_ms"] = phases.ext_proc_waits(quiet_phases)
         if arm.phases:
             result["phases"] = quiet_phases
     quiet = result["quiet"]
@@ -495,36 +446,10 @@ def print_table(summary: dict[str, Any], results: dict[str, dict[str, Any]]) -> 
         )
     phased = {n: r["phases"] for n, r in results.items() if "phases" in r}
     phases.print_breakdown(phased)
-    print_door(results)
+    reply_probe.print_door(results)
     print("\ntargets:")
     for target, met in summary["targets"].items():
         print(f"  {target}: {'met' if met else 'NOT met'}")
-
-
-def print_door(results: dict[str, dict[str, Any]]) -> None:
-    """Per arm with an ext_proc server: how long Envoy waited for the quiet tenant's replies,
-    against how long the server took to answer the probe's headers and its loop's lag."""
-    door = {n: r for n, r in results.items() if r.get("quiet_ext_proc_waits_ms")}
-    if not door:
-        return
-
-    def cell(figures: dict[str, Any] | None, low: str = "p50", high: str = "p90") -> str:
-        if not figures or not figures.get("count"):
-            return "-"
-        return f"{fmt(figures[low])} / {fmt(figures[high])}"
-
-    print("\nthe door's replies, ms p50 / p90 (probe: from the engine's core; lag: p50 / max):")
-    print(f"{'arm':20} {'Envoy waits: headers':>21} {'body':>15} {'probe: headers':>15} "
-          f"{'loop lag':>13}")  # fmt: skip
-    for name, result in door.items():
-        waits = result["quiet_ext_proc_waits_ms"]
-        probe = result.get("reply_probe") or {}
-        print(
-            f"{name:20} {cell(waits.get('request-headers reply')):>21} "
-            f"{cell(waits.get('request-body reply')):>15} "
-            f"{cell(probe.get('headers_reply_ms')):>15} "
-            f"{cell(probe.get('event_loop_lag_ms'), 'p50', 'max'):>13}"
-        )
 
 
 def plot(results: dict[str, dict[str, Any]], summary: dict[str, Any], path: Path) -> None:
@@ -567,17 +492,9 @@ def run(
             pin(os.getpid(), split.front)
         for arm in arms:
             results[arm.name] = run_arm(
-                arm,
-                endpoint,
-                engine_pids,
-                workdir,
-                work,
-                timing,
-                split,
-                kvwarden_venv,
-                seed,
+                arm, endpoint, engine_pids, workdir, work, timing, split, kvwarden_venv, seed,
                 probe,
-            )
+            )  # fmt: skip
     summary = compare(results)
     report = {
         "scenario": NAME,

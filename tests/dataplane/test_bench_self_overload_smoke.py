@@ -51,7 +51,7 @@ def test_self_overload_quick(tmp_path: Path, capsys: pytest.CaptureFixture[str])
     assert 0 < probe["headers_reply_ms"]["p50"] < 10_000
     assert probe["event_loop_lag_ms"]["count"] >= 3
     waits = data["arms"]["room-full"]["quiet_ext_proc_waits_ms"]
-    assert waits["request-headers reply"]["count"] >= 1
+    assert waits["ext_proc_request_header_latency_us"]["count"] >= 1
     # the δ arm primed the alone model before its load (six quiet requests before the window)
     first = data["arms"]["room-first-30ms"]
     assert first["flooder_output_tok_s"] > 0

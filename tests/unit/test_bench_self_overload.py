@@ -19,7 +19,7 @@ from ruamel.yaml import YAML
 from extproc.envoy_config import RenderOptions, render_bootstrap
 from extproc.policy import policy_from_text
 from gateway_lab.bench import phases
-from gateway_lab.bench.cores import descendants, pin, split_cores
+from gateway_lab.bench.cores import descendants, group_cpu, pin, split_cores
 from gateway_lab.bench.kvwarden_front import Bucket, config_text
 from gateway_lab.bench.self_overload import (
     ARMS,
@@ -27,7 +27,6 @@ from gateway_lab.bench.self_overload import (
     CompletionSpec,
     compare,
     delta_arms,
-    group_cpu,
     policy_text,
 )
 from gateway_lab.bench.stack import cpu_seconds
