@@ -20,7 +20,9 @@ extproc.state.ops):
    capacity the pool is blocked until a release event; for the other reasons the tenant is
    parked in that pool until a release event or the re-check timer (every ~25 ms);
 3. **backlog registry** -- which tenants wait for which pool on this process is published (and
-   heart-beaten, `backlog_ttl`), so the other processes' gates see it;
+   heart-beaten, `backlog_ttl`), so the other processes' gates see it. A tenant whose request
+   is being proposed to the gate still waits: dropped and registered again, its counter
+   would be lifted to the others' and it would forget the share it is owed;
 4. **release** -- exactly once, in Redis, by request id: settles the token buckets and the fair
    share against real usage and frees capacity, then publishes an event that wakes the other
    processes. The accounting stream may run on another process than the admission stream: it

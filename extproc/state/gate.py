@@ -333,6 +333,7 @@ class RedisGate:
             return
         rid = admission.ticket.request_id
         self.tentative[rid] = admission.lease.lease_id
+        self.sync.proposing(admission.ticket.pool, admission.ticket.tenant)
         pregranted = self.pregranted.pop(rid, None)
         fresh = self.settings.lease_ttl / 2
         if pregranted is not None and scheduler.clock.now() - pregranted[0] < fresh:
@@ -349,6 +350,7 @@ class RedisGate:
         ticket, lease_id = admission.ticket, admission.lease.lease_id
         scheduler = self.host.scheduler
         self.tentative.pop(ticket.request_id, None)
+        self.sync.proposed(ticket.pool, ticket.tenant)
         turn = self.host.waiting_for(ticket.request_id)
         gone = turn is None or turn.done()
         error = failure(future)
@@ -364,6 +366,7 @@ class RedisGate:
             self.hold(lease_id, ticket)
             self.observe(ticket.pool, reply)  # after hold: Redis counted this lease as ours
             self.host.grant(admission)
+            self.after_pump()  # out of the registry now if nothing else of it waits
             return
         self.observe(ticket.pool, reply)
         reason = str(reply.get("why", "capacity"))
