@@ -22,7 +22,30 @@ def _post(url: str, key: str | None, body: dict[str, object]) -> tuple[int, dict
         return error.code, dict(error.headers.items()), error.read()
 
 
-def run_demo(base_url: str) -> int:
+def _usage_total(events: list[str]) -> int | None:
+    """total_tokens of the stream's usage chunk, if it has one."""
+    for line in reversed(events):
+        payload = line.removeprefix("data:").strip()
+        if payload.startswith("{"):
+            usage = json.loads(payload).get("usage")
+            if isinstance(usage, dict) and isinstance(usage.get("total_tokens"), int):
+                return int(usage["total_tokens"])
+    return None
+
+
+def _settled_tokens(admin_url: str, tenant: str, timeout_s: float = 10.0) -> int | None:
+    """The tenant's served tokens once nothing of it is in flight (its account settled)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        with urllib.request.urlopen(f"{admin_url}/v1/tenants", timeout=5) as response:
+            state = json.loads(response.read())["tenants"][tenant]
+        if state["inflight"] == 0:
+            return int(state["served_tokens"])
+        time.sleep(0.05)
+    return None
+
+
+def run_demo(base_url: str, admin_url: str | None = None) -> int:
     chat = f"{base_url}/v1/chat/completions"
     message = {"role": "user", "content": "Say hello to the fair gateway."}
     started = time.monotonic()
@@ -47,6 +70,11 @@ def run_demo(base_url: str) -> int:
     for line in events[-2:]:
         print(f"  {line[:200]}")
     ok = ok and status == 200 and events[-1] == "data: [DONE]"
+    if admin_url is not None:
+        # Every token counted: the tenant's account holds what the engine's usage reported.
+        usage, settled = _usage_total(events), _settled_tokens(admin_url, "globex")
+        print(f"  globex's account: {settled} tokens settled, the stream's usage says {usage}")
+        ok = ok and usage is not None and settled == usage
 
     status, _, body = _post(chat, "not-a-key", {"model": "demo", "messages": [message]})
     print(f"\nPOST with an unknown key -> {status} {body.decode()}")

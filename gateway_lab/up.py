@@ -12,6 +12,7 @@ import argparse
 import functools
 import os
 import signal
+import socket
 import sys
 import tempfile
 import time
@@ -36,8 +37,10 @@ def add_arguments(parser: argparse.ArgumentParser, default_policy: str) -> None:
     parser.add_argument("--grpc", default="127.0.0.1:50051", help="ext_proc gRPC address")
     parser.add_argument("--envoy-admin", default="127.0.0.1:9901")
     parser.add_argument(
-        "--accounting-grpc", metavar="ADDRESS",
-        help="account responses in a child process on this address (serve --accounting-grpc)",
+        "--accounting-grpc", metavar="ADDRESS|off",
+        help="account responses in a child process on this address (serve --accounting-grpc); "
+        "default: with one worker, the --grpc port + 1 (the next free port if that one is "
+        "taken); with --workers N, and with 'off', in the service's own process",
     )  # fmt: skip
     parser.add_argument("--profile", default="a100-llama3-8b", help="emulated engine profile")
     parser.add_argument(
@@ -116,8 +119,41 @@ class StackConfig:
             workers=getattr(args, "workers", 1),
             worker_ports=getattr(args, "worker_ports", "distinct"),
             allow_unshared_workers=getattr(args, "allow_unshared_workers", False),
-            accounting=getattr(args, "accounting_grpc", None),
+            accounting=accounting_address(
+                getattr(args, "accounting_grpc", None), args.grpc, getattr(args, "workers", 1)
+            ),
         )  # fmt: skip
+
+
+ACCOUNTING_OFF = "off"
+
+
+def accounting_address(requested: str | None, grpc: str, workers: int) -> str | None:
+    """Where `up` has the service account responses: a child process on `requested`, or by
+    default (None) on the port after `grpc`'s when it is free (else one the kernel picks), so
+    the accounting filter's chunk messages never delay the messages Envoy waits on
+    (docs/deploy.md, "Accounting in a process of its own"). None, in the service's own process:
+    with several workers (the child is refused there) and with `off`."""
+    if requested is not None:
+        return None if requested.strip() == ACCOUNTING_OFF else requested
+    if workers > 1:
+        return None
+    host, port = split_host_port(grpc)
+    free = _free_port(host, port + 1)
+    return f"[{host}]:{free}" if ":" in host else f"{host}:{free}"
+
+
+def _free_port(host: str, wanted: int) -> int:
+    """`wanted` if it can be bound on `host` now, else a port the kernel picks."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    for port in (wanted, 0):
+        with socket.socket(family, socket.SOCK_STREAM) as probe:
+            try:
+                probe.bind((host, port))
+            except OSError:
+                continue
+            return int(probe.getsockname()[1])
+    raise RuntimeError(f"no free port on {host} for the accounting process")
 
 
 def build_stack(config: StackConfig, policy: Policy) -> Stack:
@@ -188,8 +224,9 @@ def wait_ready(
 def run_up(args: argparse.Namespace) -> int:
     from extproc.service.workers import check_accounting
 
+    requested = getattr(args, "accounting_grpc", None)
     refused = check_accounting(
-        getattr(args, "workers", 1), getattr(args, "accounting_grpc", None) or ""
+        getattr(args, "workers", 1), "" if requested in (None, ACCOUNTING_OFF) else requested
     )
     if refused is not None:
         print(f"extproc up: {refused}", file=sys.stderr)
@@ -229,10 +266,12 @@ def run_up(args: argparse.Namespace) -> int:
         wait_ready(config, policy, stack, abort=lambda: stopping)
         print(f"ready: send OpenAI requests to http://{args.listen}", flush=True)
         print(f"       admin: http://{args.admin}/v1/tenants  metrics: http://{args.admin}/metrics")
+        where = f"in a child process on {config.accounting}" if config.accounting else "in process"
+        print(f"       responses are accounted {where}", flush=True)
         if args.demo:
             from gateway_lab.demo import run_demo
 
-            return run_demo(f"http://{args.listen}")
+            return run_demo(f"http://{args.listen}", f"http://{args.admin}")
         supervisor = Supervisor(stack, fatal=frozenset({"envoy"}), say=_say)
         while not stopping:
             dead = supervisor.check()

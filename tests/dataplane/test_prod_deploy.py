@@ -54,11 +54,21 @@ def env_of(main: dict[str, Any]) -> dict[str, str]:
     return {item["name"]: item["value"] for item in main.get("env", [])}
 
 
-def service_fqdn() -> tuple[str, int]:
+def service_port(name: str) -> int:
     service = find("kubernetes", "Service", "extproc")
-    grpc_port = next(p for p in service["spec"]["ports"] if p["name"] == "grpc")["port"]
+    return int(next(p for p in service["spec"]["ports"] if p["name"] == name)["port"])
+
+
+def service_fqdn() -> tuple[str, int]:
+    """The Service's name in the cluster and its admission (grpc) port."""
+    service = find("kubernetes", "Service", "extproc")
     namespace = service["metadata"]["namespace"]
-    return f"{service['metadata']['name']}.{namespace}.svc.cluster.local", grpc_port
+    return f"{service['metadata']['name']}.{namespace}.svc.cluster.local", service_port("grpc")
+
+
+def accounting_port() -> int:
+    """The Service's port for the accounting filter: the service's accounting process."""
+    return service_port("grpc-accounting")
 
 
 def duration_s(text: str) -> float:
@@ -105,6 +115,8 @@ def test_deployment_ports_probes_and_service_agree() -> None:
     assert args.command == "serve"
     ports = {p["name"]: p["containerPort"] for p in main["ports"]}
     assert ports["grpc"] == port_of(args.grpc) and ports["admin"] == port_of(args.admin)
+    # The accounting filter's streams go to the accounting child process, on its own port.
+    assert ports["grpc-accounting"] == port_of(args.accounting_grpc) != ports["grpc"]
     for probe, path in (("livenessProbe", "/healthz"), ("startupProbe", "/healthz"),
                         ("readinessProbe", "/readyz")):  # fmt: skip
         get = main[probe]["httpGet"]
@@ -115,6 +127,9 @@ def test_deployment_ports_probes_and_service_agree() -> None:
     by_name = {p["name"]: p for p in service["spec"]["ports"]}
     assert by_name["grpc"]["targetPort"] == "grpc" and by_name["grpc"]["port"] == ports["grpc"]
     assert by_name["grpc"]["appProtocol"] == "grpc"  # Istio: HTTP/2 to the service
+    accounting = by_name["grpc-accounting"]
+    assert accounting["targetPort"] == "grpc-accounting" and accounting["appProtocol"] == "grpc"
+    assert accounting["port"] == ports["grpc-accounting"]
     assert by_name["http-admin"]["targetPort"] == "admin"
     annotations = find("kubernetes", "Deployment", "extproc")["spec"]["template"]["metadata"][
         "annotations"
@@ -181,7 +196,8 @@ def test_istio_envoyfilter_inserts_both_filters_like_the_render() -> None:
         assert config["@type"] == expected["@type"]
         assert ext_proc(config) == ext_proc(expected), value["name"]
         cluster = config["grpc_service"]["envoy_grpc"]["cluster_name"]
-        assert cluster == f"outbound|{grpc_port}||{fqdn}"
+        port = accounting_port() if value["name"] == ACCOUNTING_FILTER else grpc_port
+        assert cluster == f"outbound|{port}||{fqdn}"
     accounting = http_filters[2]["patch"]["value"]["typed_config"]
     assert accounting["observability_mode"] is True
     manager = rendered_manager(bootstrap)
@@ -290,8 +306,8 @@ def test_envoy_gateway_patch_adds_the_accounting_filter_like_the_render() -> Non
     assert [f["name"] for f in appended] == [ACCOUNTING_FILTER, _ROUTER]  # router stays last
     accounting = appended[0]["typed_config"]
     assert ext_proc(accounting) == ext_proc(rendered_filter(bootstrap, ACCOUNTING_FILTER))
-    fqdn, grpc_port = service_fqdn()
-    assert accounting["grpc_service"]["google_grpc"]["target_uri"] == f"{fqdn}:{grpc_port}"
+    fqdn, _ = service_fqdn()
+    assert accounting["grpc_service"]["google_grpc"]["target_uri"] == f"{fqdn}:{accounting_port()}"
     removed = next(p["operation"] for p in operations if p["operation"]["op"] == "remove")
     assert _ROUTER in removed["jsonPath"]
     traffic = find("envoy-gateway", "ClientTrafficPolicy")
@@ -325,8 +341,6 @@ def test_deploy_filter_snippets_pass_envoy_validate(tmp_path: Path) -> None:
     istio_filters = [
         copy.deepcopy(p["patch"]["value"]) for p in patches if p["applyTo"] == "HTTP_FILTER"
     ]
-    admission = next(f for f in istio_filters if f["name"] == ADMISSION_FILTER)
-    cluster_name = admission["typed_config"]["grpc_service"]["envoy_grpc"]["cluster_name"]
     eg_ops = find("envoy-gateway", "EnvoyPatchPolicy")["spec"]["jsonPatches"]
     appended = [
         p["operation"]["value"]
@@ -340,8 +354,12 @@ def test_deploy_filter_snippets_pass_envoy_validate(tmp_path: Path) -> None:
     manager["httpFilters"] = [*istio_filters, eg_accounting, router]
     network = next(p for p in patches if p["applyTo"] == "NETWORK_FILTER")["patch"]["value"]
     manager["streamIdleTimeout"] = network["typed_config"]["stream_idle_timeout"]
-    extproc_cluster = bootstrap["staticResources"]["clusters"][0]
-    extproc_cluster["name"] = cluster_name
-    extproc_cluster["loadAssignment"]["clusterName"] = cluster_name
+    clusters = bootstrap["staticResources"]["clusters"]
+    extproc_cluster = clusters[0]
+    for name in {f["typed_config"]["grpc_service"]["envoy_grpc"]["cluster_name"]
+                 for f in istio_filters if "grpc_service" in f["typed_config"]}:  # fmt: skip
+        cluster = copy.deepcopy(extproc_cluster)
+        cluster["name"] = cluster["loadAssignment"]["clusterName"] = name
+        clusters.append(cluster)
     result = validate_envoy(bootstrap, tmp_path)
     assert result.returncode == 0, result.stdout + result.stderr
