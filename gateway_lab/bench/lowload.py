@@ -15,6 +15,9 @@ two (Envoy, the front and this load generator on the others). One tenant sends 1
 * `noop-no-acct`: the floor without the accounting filter (removed from the bootstrap), so
   Envoy opens no observability stream on the way upstream: what opening it costs the request;
 * `service`: our service with the default policy;
+* `service-child`: the same with the accounting streams in the service's child process
+  (`serve --accounting-grpc`, Envoy's accounting cluster), the layout `extproc up` and the
+  deploy files use;
 * `static`: the same with the pool's adaptive soft limit off, so nothing reads the engine's
   `/metrics` (10 times a second by default): what that polling costs the engine and us;
 * `before` (with `--before-src DIR`): our service from another source tree (PYTHONPATH=DIR),
@@ -61,7 +64,7 @@ TENANT = "quiet"
 WARMUP_TENANT = "warmup"
 ARMS = (
     "straight", "noop", "noop-grpclib", "noop-no-acct", "mimic", "mimic-grpclib", "one-trip",
-    "service", "static",
+    "service", "service-child", "static",
 )  # fmt: skip
 TARGET_ADDED_P50_MS = 1.0
 TARGET_ADDED_P99_MS = 3.0
@@ -183,7 +186,7 @@ def front(arm: str, workdir: Path, endpoint: str, before_src: Path | None) -> It
     with gateway_stack(
         workdir, policy_text(endpoint, adaptive=arm != "static"), kind,
         bootstrap_edit=EDITS.get(arm, phases.timed_bootstrap),
-        noop_args=noop_args, extproc_env=env,
+        accounting_process=arm == "service-child", noop_args=noop_args, extproc_env=env,
     ) as gateway:  # fmt: skip
         yield gateway
 

@@ -1,8 +1,8 @@
 """Smoke run of `extproc bench low-load` (--quick): the real Envoy, the floor, the mimic, the
-service and a `before` service from a source tree (this one) in front of a pinned emulated
-engine for a few seconds each (the floor and the mimic also on grpclib) must leave well-formed
-outputs. Figures are not checked
-(shared cores)."""
+service (in process and with its accounting child) and a `before` service from a source tree
+(this one) in front of a pinned emulated engine for a few seconds each (the floor and the
+mimic also on grpclib) must leave well-formed outputs. Figures are not checked (shared
+cores)."""
 
 from __future__ import annotations
 
@@ -32,7 +32,7 @@ def test_low_load_quick(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> N
     data = json.loads((out / "results.json").read_text())
     assert list(data["arms"]) == [
         "straight", "noop", "noop-grpclib", "noop-no-acct", "mimic", "mimic-grpclib", "one-trip",
-        "service", "static", "before",
+        "service", "service-child", "static", "before",
     ]  # fmt: skip
     for arm, result in data["arms"].items():
         assert result["requests"] >= 1, f"{arm} answered nothing"
@@ -47,6 +47,9 @@ def test_low_load_quick(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> N
     assert ACCOUNTING_FILTER not in filters["noop-no-acct"]
     assert "sendBodyWithoutWaitingForHeaderResponse" in filters["one-trip"]
     assert data["arms"]["service"]["front_cores"] > 0.0
+    child = json.loads((tmp_path / "w" / "service-child-0" / "envoy.json").read_text())
+    clusters = {c["name"] for c in child["staticResources"]["clusters"]}
+    assert "extproc_accounting" in clusters  # the accounting filter has the child's cluster
     assert data["arms"]["before"]["front_cores"] > 0.0
     steps = data["arms"]["mimic"]["phases"]["steps_ms"]
     assert "  of which: Envoy waits for the request-body reply" in steps
