@@ -10,7 +10,7 @@ import os
 import random
 import statistics
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import aiohttp
@@ -102,8 +102,12 @@ async def stream_completion(
     prompt: list[int] | str,
     max_tokens: int,
     priority: int | None = None,
+    on_chunk: Callable[[float], None] | None = None,
 ) -> Timing:
-    """One streamed `/v1/completions` request (vLLM `priority` if given) and its timing."""
+    """One streamed `/v1/completions` request (vLLM `priority` if given) and its timing.
+
+    `on_chunk` is called with the arrival time (`time.perf_counter()`) of each chunk that
+    carries tokens, as it arrives."""
     body: dict[str, object] = {
         "model": MODEL,
         "prompt": prompt,
@@ -135,6 +139,8 @@ async def stream_completion(
             if tokens >= 1 and first is None:
                 first = now
             last = now
+            if on_chunk is not None:
+                on_chunk(now)
     if first is None or tokens < 1:
         raise RuntimeError(f"{url}: a stream without tokens")
     itl = (last - first) / (tokens - 1) if tokens > 1 else None

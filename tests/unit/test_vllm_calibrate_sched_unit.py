@@ -31,6 +31,42 @@ async def test_priority_row_separates_fcfs_from_priority() -> None:
     assert medians["priority"] < 0.5 * medians["fcfs"], medians
 
 
+async def test_budget_row_smaller_steps_shorten_the_decoding_gap() -> None:
+    # The short request decodes while 4 long prompts prefill beside it in 256-token chunks:
+    # with the whole 2,048-token budget a step carries 4 chunks (~27 ms in cpu-tiny), with a
+    # 256-token budget one (~10 ms), so its long gaps shrink. p95 (the 4th longest of 63 gaps)
+    # rather than the maximum: engine and client share this event loop, and sending the long
+    # prompts can stall it once for ~10 ms.
+    worst = {}
+    for budget in (2048, 256):
+        async with running_engine(
+            profile="cpu-tiny",
+            frontend_s=0.0,
+            max_num_batched_tokens=budget,
+            strict_model=False,
+        ) as engine:
+            samples = await calibrate_sched.decode_beside_longs(
+                engine.base_url, 4, 1, random.Random(1)
+            )
+        (sample,) = samples
+        assert len(sample.gaps_s) == calibrate_sched.DECODE_OUTPUT_TOKENS - 1
+        assert len(sample.long_ttfts_s) == 4
+        worst[budget] = calibrate_sched._pct(sample.gaps_s, 0.95)
+    assert worst[256] < 0.7 * worst[2048], worst
+
+
+def test_budget_summary_pools_the_gaps() -> None:
+    samples = [
+        calibrate_sched.DecodeSample(0.010, (0.005, 0.030), (0.2, 0.3)),
+        calibrate_sched.DecodeSample(0.020, (0.006, 0.010), (0.4,)),
+    ]
+    config = calibrate_sched.EngineConfig("priority", 256, 512)
+    row = calibrate_sched._decode_summary(config, 2, samples)
+    assert row.config == "priority, threshold 256, budget 512"
+    assert (row.samples, row.ttft_p50_ms, row.gap_max_ms) == (2, 15.0, 30.0)
+    assert (row.gap_p50_ms, row.long_ttft_p50_ms) == (8.0, 300.0)
+
+
 async def test_frontend_probe_reports_each_level() -> None:
     async with running_engine(profile="fast", strict_model=False) as engine:
         levels = await calibrate_sched.frontend_levels(engine.base_url, os.getpid(), [1, 4], 2)
@@ -61,10 +97,12 @@ def test_cli_rejects_unknown_engines(tmp_path: Path, capsys: pytest.CaptureFixtu
 
 
 def test_configs_parse_policy_and_threshold() -> None:
-    configs = calibrate_sched.parse_configs("fcfs:0, priority:256,priority")
-    assert [(c.policy, c.threshold) for c in configs] == [
-        ("fcfs", 0),
-        ("priority", 256),
-        ("priority", 0),
+    configs = calibrate_sched.parse_configs("fcfs:0, priority:256,priority,priority:256:512")
+    assert [(c.policy, c.threshold, c.budget) for c in configs] == [
+        ("fcfs", 0, 0),
+        ("priority", 256, 0),
+        ("priority", 0, 0),
+        ("priority", 256, 512),
     ]
     assert configs[1].label == "priority, threshold 256"
+    assert configs[3].label == "priority, threshold 256, budget 512"
