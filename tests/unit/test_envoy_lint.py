@@ -131,8 +131,11 @@ def test_a_destination_rule_next_to_the_envoy_filter_shows_the_cluster() -> None
         findings = lint_file(str(path), REFERENCE)
         return [(f.severity, f.message) for f in findings if f.check == "extproc-cluster"]
 
+    # The admission filter's cluster and the accounting process's (port 50052).
+    accounting = name.replace("|50051|", "|50052|")
     assert cluster_findings(REPO / "deploy/istio/envoyfilter.yaml") == [
-        ("note", f"cluster {name} is not in this file")
+        ("note", f"cluster {name} is not in this file"),
+        ("note", f"cluster {accounting} is not in this file"),
     ]
     assert cluster_findings(FIXTURES / "istio_with_destinationrule.yaml") == [
         ("note", f"this file does not show whether cluster {name} speaks HTTP/2")
