@@ -90,6 +90,7 @@ from extproc.envoy_routes import (
 from extproc.policy import Policy
 from extproc.policy.hold import MAX_HOLD_S, envoy_hold_limit
 from extproc.scheduler import DIMENSIONS
+from extproc.service.arrival import REQUEST_TIME_ATTRIBUTE
 from extproc.service.roles import ACCOUNTING_ROLE, ADMISSION_METADATA, ROLE_METADATA
 from extproc.types import OWNED_HEADERS, QUEUE_MS_HEADER, UPSTREAM_HEADER
 
@@ -269,6 +270,9 @@ def _admission_filter(policy: Policy) -> HttpFilter:
         message_timeout=_seconds(policy.source.gateway.message_timeout),
         max_message_timeout=_seconds(hold_cap),
         stat_prefix="admission",
+        # When Envoy received the request, on the headers message: how late it reached us
+        # (extproc.service.arrival).
+        request_attributes=[REQUEST_TIME_ATTRIBUTE],
         # The forward's dynamic metadata: the client's response headers (_header_mutations).
         metadata_options=MetadataOptions(
             receiving_namespaces=MetadataOptionsMetadataNamespaces(untyped=[ADMISSION_METADATA])

@@ -153,6 +153,12 @@ class Metrics:
             ["tenant", "direction"],
             registry=r,
         )
+        self.envoy_to_handler = Histogram(
+            "extproc_envoy_to_handler_seconds",
+            "Envoy's receipt of a request -> its first message in the service's handler "
+            "(Envoy's request.time against this host's clock)",
+            buckets=_LATENCY_BUCKETS, registry=r,
+        )  # fmt: skip
         self.ttft = Histogram(
             "extproc_ttft_seconds", "Gateway-observed time to first token",
             ["tenant", "pool"], buckets=_LATENCY_BUCKETS, registry=r,

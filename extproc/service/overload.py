@@ -11,7 +11,10 @@ Two cheap signals say the service is falling behind (`gateway.overload` in the p
   brings the short interval back at once: an idle service does not wake 50 times a second;
 * message age: the admission streams Envoy waits on (opened, their request body not answered
   or held yet); the oldest one's age is compared with `message_age_fraction` of
-  `gateway.message_timeout`.
+  `gateway.message_timeout`. So is the age a request's first message already had when it
+  reached the handler (Envoy's `request.time` against ours, over the smallest such delay seen:
+  extproc.service.arrival), which counts the time a new stream waited before the servicer was
+  handed it, where the other two signals see nothing.
 
 While either is over its threshold (lag: two samples within half a second, so one collector
 pause does not count) and for `recover_ms` after, the service sheds: new requests of the
@@ -29,6 +32,7 @@ from collections import deque
 from collections.abc import Callable
 
 from extproc.policy.model import Gateway as GatewaySettings
+from extproc.service.arrival import ArrivalDelay
 
 log = logging.getLogger("extproc.overload")
 
@@ -69,6 +73,11 @@ class OverloadDetector:
         """The tenants shed while `reason` is set (over their share at the last sample)."""
         self.wake: Callable[[], None] | None = None
         """Set by an idle monitor, called (once) by the next `activity`."""
+        self._arrival = ArrivalDelay()
+        self._arrival_excess = 0.0
+        """The largest arrival delay over its baseline since the last sample."""
+        self.on_arrival: Callable[[float], None] | None = None
+        """Told every arrival delay (the service's histogram of them)."""
 
     def configure(self, gateway: GatewaySettings) -> None:
         """The policy's `gateway.overload` and `gateway.message_timeout` (also on reload; the
@@ -101,6 +110,15 @@ class OverloadDetector:
         """Not shedding, no admission stream waiting, the last sample on time."""
         return self.reason is None and not self._pending and self.lag_s <= self._lag_threshold_s
 
+    def arrived(self, delay_s: float) -> None:
+        """A request's first message reached the handler `delay_s` after Envoy received it
+        (our wall clock minus Envoy's `request.time`)."""
+        excess = self._arrival.excess(delay_s, self._clock())
+        if excess > self._arrival_excess:
+            self._arrival_excess = excess
+        if self.on_arrival is not None:
+            self.on_arrival(delay_s)
+
     def stream_answered(self, key: object) -> None:
         self._pending.pop(key, None)
 
@@ -122,16 +140,18 @@ class OverloadDetector:
             late.append(now)
             if len(late) == LAG_SAMPLES and now - late[0] <= LAG_WINDOW_S:
                 reason = "lag"
-        if reason is None and self.oldest_pending_age(now) > self._age_limit_s:
+        arrival, self._arrival_excess = self._arrival_excess, 0.0
+        if reason is None and max(self.oldest_pending_age(now), arrival) > self._age_limit_s:
             reason = "message_age"
         if reason is not None:
             if self.reason is None:
                 log.warning(
-                    "falling behind (%s; loop lag %.0f ms, oldest unanswered message %.0f ms): "
-                    "shedding tenants above their fair share",
+                    "falling behind (%s; loop lag %.0f ms, oldest unanswered message %.0f ms, "
+                    "latest arrival %.0f ms late): shedding tenants above their fair share",
                     reason,
                     lag_s * 1000.0,
                     self.oldest_pending_age(now) * 1000.0,
+                    arrival * 1000.0,
                 )
             self._last_over = now
             self.reason = reason

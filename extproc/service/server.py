@@ -5,6 +5,7 @@ from __future__ import annotations
 import errno
 import logging
 import socket
+import time
 from collections.abc import AsyncIterator
 
 import grpc
@@ -15,6 +16,7 @@ from envoy.service.ext_proc.v3.external_processor_pb2 import (
 )
 
 from extproc.service.accounting import AccountingProcessor
+from extproc.service.arrival import envoy_received_at
 from extproc.service.overload import OverloadDetector
 from extproc.service.ports import AccountingPort, StreamPorts
 from extproc.service.processor import AdmissionProcessor
@@ -57,6 +59,10 @@ class ExternalProcessorService(ext_proc_grpc.ExternalProcessorServicer):  # type
             # as "processing complete". Left open, a crash of this process would make Envoy
             # reset the response in flight, streamed or not.
             async for request in request_iterator:
+                if overload is not None and request.HasField("request_headers"):
+                    received_at = envoy_received_at(request)
+                    if received_at is not None:
+                        overload.arrived(time.time() - received_at)
                 if request.HasField("request_body"):
                     async for response in processor.on_request_body(request.request_body):
                         if overload is not None:
