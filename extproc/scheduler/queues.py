@@ -118,24 +118,35 @@ class TenantState:
         self.arrivals = deque(entry for entry in self.arrivals if entry.alive)
 
 
+EntryTimer = tuple[float, int, int, QueueEntry]
+"""(time, entry seq, the entry's stay in the queue, entry): unique per stay, so a requeued
+entry's timers never tie and its earlier stay's timer is told apart (`_current`)."""
+
+
+def _current(item: EntryTimer) -> bool:
+    entry = item[3]
+    return entry.alive and item[2] == entry.stays
+
+
 class Timers:
     """When queued requests expire (max_queue_wait), pass their deadline, and when leases
-    expire. Entries that left the queue are skipped lazily. Heap items: (time, entry seq,
-    entry) and (time, lease id)."""
+    expire. Entries that left the queue, and the timers of a requeued entry's earlier stay,
+    are skipped lazily. Heap items: `EntryTimer` and (time, lease id)."""
 
     def __init__(self) -> None:
-        self._expiries: list[tuple[float, int, QueueEntry]] = []
-        self._deadlines: list[tuple[float, int, QueueEntry]] = []
+        self._expiries: list[EntryTimer] = []
+        self._deadlines: list[EntryTimer] = []
         self._leases: list[tuple[float, int]] = []
         self.with_deadline = 0
         """Queued requests that have a deadline (shedding only runs while there are some)."""
 
     def entry_queued(self, entry: QueueEntry) -> None:
-        heappush(self._expiries, (entry.expires_at, entry.seq, entry))
+        entry.stays += 1
+        heappush(self._expiries, (entry.expires_at, entry.seq, entry.stays, entry))
         deadline = entry.ticket.deadline
         if deadline is not None:
             self.with_deadline += 1
-            heappush(self._deadlines, (deadline, entry.seq, entry))
+            heappush(self._deadlines, (deadline, entry.seq, entry.stays, entry))
 
     def entry_left(self, entry: QueueEntry) -> None:
         if entry.ticket.deadline is not None:
@@ -154,7 +165,7 @@ class Timers:
     def earliest_deadline(self) -> float | None:
         """The earliest deadline of a queued request (None: no queued request has one)."""
         heap = self._deadlines
-        while heap and not heap[0][2].alive:
+        while heap and not _current(heap[0]):
             heappop(heap)
         return heap[0][0] if heap else None
 
@@ -170,7 +181,7 @@ class Timers:
     def next_time(self, lease_alive: Callable[[int], bool]) -> float | None:
         at: float | None = None
         for heap in (self._expiries, self._deadlines):
-            while heap and not heap[0][2].alive:
+            while heap and not _current(heap[0]):
                 heappop(heap)
             if heap and (at is None or heap[0][0] < at):
                 at = heap[0][0]
@@ -194,22 +205,22 @@ class Timers:
     def rebuild_entries(self, entries: Iterable[QueueEntry]) -> None:
         """After expires_at changed (policy update) or dead timers dominate."""
         items = list(entries)
-        self._expiries = [(e.expires_at, e.seq, e) for e in items]
+        self._expiries = [(e.expires_at, e.seq, e.stays, e) for e in items]
         heapify(self._expiries)
         self._deadlines = [
-            (e.ticket.deadline, e.seq, e) for e in items if e.ticket.deadline is not None
+            (e.ticket.deadline, e.seq, e.stays, e) for e in items if e.ticket.deadline is not None
         ]
         heapify(self._deadlines)
 
 
-def _due(heap: list[tuple[float, int, QueueEntry]], now: float) -> Sequence[QueueEntry]:
-    """Pop the timers due at `now`; the entries still queued (each leaves only by itself,
-    so none of them is removed by handling another)."""
+def _due(heap: list[EntryTimer], now: float) -> Sequence[QueueEntry]:
+    """Pop the timers due at `now`; the entries still queued, each once (each leaves only by
+    itself, so none of them is removed by handling another)."""
     if not heap or heap[0][0] > now:
         return ()  # the common case, without building a list
     due: list[QueueEntry] = []
     while heap and heap[0][0] <= now:
-        entry = heappop(heap)[2]
-        if entry.alive:
-            due.append(entry)
+        item = heappop(heap)
+        if _current(item):
+            due.append(item[3])
     return due

@@ -30,6 +30,9 @@ class QueueEntry:
     turn_came: bool = False
     """Its band's fair-share pick has been its tenant while it did not fit: from then on every
     request that goes past it counts as a bypass."""
+    stays: int = 0
+    """How many times it was put in its queue (more than once when a shared gate refused its
+    admission and `Scheduler.requeue` put it back): only the timers of the current stay count."""
 
 
 class Hold(NamedTuple):

@@ -96,7 +96,10 @@ def shed_queued(live: Live, tenants: set[str], now: float, message: str) -> list
         state = live.tenants.get(name)
         if state is None or not state.queued:
             continue
-        for entry in [e for e in state.arrivals if e.alive]:
+        # A requeued entry is in `arrivals` twice: it leaves once (remove marks it dead).
+        for entry in list(state.arrivals):
+            if not entry.alive:
+                continue
             ticket = entry.ticket
             live.remove(entry, now, refund=True)
             retry = shed_retry_after(live, ticket, now)
