@@ -3,16 +3,38 @@
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from extproc.policy import Policy, load_policy
+from extproc.policy import Policy, hash_key, load_policy
 from gateway_lab.processes import Stack
 from gateway_lab.up import StackConfig, build_stack, wait_ready
-from tests.conftest import free_port
+from tests.conftest import TEST_KEYS, free_port
 
 ACTIVE_STACKS: list[Stack] = []
+
+
+def standard_policy(
+    short: str, long_: str, gateway: str, tenants: Sequence[str] = ("globex",)
+) -> str:
+    """A short and a long pool, `tenants` (of TEST_KEYS) in one standard tier, and the
+    `gateway:` section's flow mapping `gateway` (e.g. `{message_timeout: 500ms}`)."""
+    lines = "".join(
+        f'  {name}: {{tier: standard, api_keys: ["{hash_key(TEST_KEYS[name])}"]}}\n'
+        for name in tenants
+    )
+    return f"""\
+version: 1
+tiers: [standard]
+tenants:
+{lines}pools:
+  short: {{max_total_tokens: 2048, max_inflight: 64, max_inflight_tokens: 400000,
+          endpoints: ["{short}"]}}
+  long: {{max_total_tokens: 16384, max_inflight: 8, max_inflight_tokens: 600000,
+         endpoints: ["{long_}"]}}
+gateway: {gateway}
+"""
 
 
 @dataclass

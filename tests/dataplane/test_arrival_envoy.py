@@ -14,9 +14,8 @@ from collections.abc import Iterator
 import aiohttp
 import pytest
 
-from extproc.policy import hash_key
 from tests.conftest import TEST_KEYS
-from tests.dataplane.harness import RunningGateway, running_gateway
+from tests.dataplane.harness import RunningGateway, running_gateway, standard_policy
 
 pytestmark = pytest.mark.dataplane
 
@@ -26,20 +25,8 @@ FROZEN_S = 1.5
 
 def arrival_policy(short: str, long_: str) -> str:
     # The loop-lag signal is out of reach (5 s): only the arrival can make the service shed.
-    return f"""\
-version: 1
-tiers: [standard]
-tenants:
-  globex: {{tier: standard, api_keys: ["{hash_key(TEST_KEYS["globex"])}"]}}
-pools:
-  short: {{max_total_tokens: 2048, max_inflight: 64, max_inflight_tokens: 400000,
-          endpoints: ["{short}"]}}
-  long: {{max_total_tokens: 16384, max_inflight: 8, max_inflight_tokens: 600000,
-         endpoints: ["{long_}"]}}
-gateway:
-  message_timeout: 2s
-  overload: {{lag_threshold_ms: 5000, interval_ms: 10, recover_ms: 600000}}
-"""
+    overload = "{lag_threshold_ms: 5000, interval_ms: 10, recover_ms: 600000}"
+    return standard_policy(short, long_, f"{{message_timeout: 2s, overload: {overload}}}")
 
 
 @pytest.fixture(scope="module")

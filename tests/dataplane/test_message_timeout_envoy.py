@@ -13,9 +13,8 @@ from pathlib import Path
 import pytest
 import urllib3
 
-from extproc.policy import hash_key
 from tests.conftest import TEST_KEYS
-from tests.dataplane.harness import RunningGateway, running_gateway
+from tests.dataplane.harness import RunningGateway, running_gateway, standard_policy
 
 pytestmark = pytest.mark.dataplane
 
@@ -23,18 +22,7 @@ HTTP = urllib3.PoolManager(timeout=urllib3.Timeout(total=15), retries=False)
 
 
 def short_timeout_policy(short: str, long_: str) -> str:
-    return f"""\
-version: 1
-tiers: [standard]
-tenants:
-  globex: {{tier: standard, api_keys: ["{hash_key(TEST_KEYS["globex"])}"]}}
-pools:
-  short: {{max_total_tokens: 2048, max_inflight: 64, max_inflight_tokens: 400000,
-          endpoints: ["{short}"]}}
-  long: {{max_total_tokens: 16384, max_inflight: 8, max_inflight_tokens: 600000,
-         endpoints: ["{long_}"]}}
-gateway: {{message_timeout: 500ms}}
-"""
+    return standard_policy(short, long_, "{message_timeout: 500ms}")
 
 
 @pytest.fixture(scope="module")

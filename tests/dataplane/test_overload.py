@@ -16,9 +16,8 @@ import aiohttp
 import orjson
 import pytest
 
-from extproc.policy import hash_key
 from tests.conftest import TEST_KEYS
-from tests.dataplane.harness import RunningGateway, running_gateway
+from tests.dataplane.harness import RunningGateway, running_gateway, standard_policy
 
 pytestmark = pytest.mark.dataplane
 
@@ -28,20 +27,8 @@ THAWED_S = 0.05
 
 
 def overload_policy(short: str, long_: str) -> str:
-    return f"""\
-version: 1
-tiers: [standard]
-tenants:
-  globex: {{tier: standard, api_keys: ["{hash_key(TEST_KEYS["globex"])}"]}}
-  initech: {{tier: standard, api_keys: ["{hash_key(TEST_KEYS["initech"])}"]}}
-pools:
-  short: {{max_total_tokens: 2048, max_inflight: 64, max_inflight_tokens: 400000,
-          endpoints: ["{short}"]}}
-  long: {{max_total_tokens: 16384, max_inflight: 8, max_inflight_tokens: 600000,
-         endpoints: ["{long_}"]}}
-gateway:
-  overload: {{lag_threshold_ms: 60, interval_ms: 10, recover_ms: 600000}}
-"""
+    overload = "{overload: {lag_threshold_ms: 60, interval_ms: 10, recover_ms: 600000}}"
+    return standard_policy(short, long_, overload, tenants=("globex", "initech"))
 
 
 @pytest.fixture(scope="module")
