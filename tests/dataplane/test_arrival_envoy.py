@@ -19,14 +19,15 @@ from tests.dataplane.harness import RunningGateway, running_gateway, standard_po
 
 pytestmark = pytest.mark.dataplane
 
-FROZEN_S = 1.5
-"""Longer than the age limit (0.5 x the 2 s message_timeout), shorter than the timeout."""
+FROZEN_S = 2.6
+"""Longer than the age limit (0.5 x the 4 s message_timeout), and short enough that the
+service, thawed, still answers within the timeout on a loaded machine."""
 
 
 def arrival_policy(short: str, long_: str) -> str:
     # The loop-lag signal is out of reach (5 s): only the arrival can make the service shed.
     overload = "{lag_threshold_ms: 5000, interval_ms: 10, recover_ms: 600000}"
-    return standard_policy(short, long_, f"{{message_timeout: 2s, overload: {overload}}}")
+    return standard_policy(short, long_, f"{{message_timeout: 4s, overload: {overload}}}")
 
 
 @pytest.fixture(scope="module")
