@@ -274,6 +274,7 @@ def test_envoy_gateway_extension_policy_matches_the_render() -> None:
     assert (entry["processingMode"]["request"]["body"] == "Buffered") == (
         mode.get("requestBodyMode") == "BUFFERED"
     )
+    assert entry["processingMode"]["request"]["attributes"] == admission["requestAttributes"]
     # A `response` entry would send response headers: the render skips them, and sends no
     # response body.
     assert "response" not in entry["processingMode"] and mode["responseHeaderMode"] == "SKIP"
