@@ -135,12 +135,13 @@ def accounting_address(requested: str | None, grpc: str, workers: int) -> str | 
     (docs/deploy.md, "Accounting in a process of its own"). None, in the service's own process:
     with several workers (the child is refused there) and with `off`."""
     if requested is not None:
-        return None if requested.strip() == ACCOUNTING_OFF else requested
+        return None if requested == ACCOUNTING_OFF else requested
     if workers > 1:
         return None
+    from extproc.service.workers import bracketed
+
     host, port = split_host_port(grpc)
-    free = _free_port(host, port + 1)
-    return f"[{host}]:{free}" if ":" in host else f"{host}:{free}"
+    return f"{bracketed(host)}:{_free_port(host, port + 1)}"
 
 
 def _free_port(host: str, wanted: int) -> int:

@@ -67,7 +67,3 @@ class ArrivalDelay:
             self._baseline = min(crept, delay_s)
         self._seen_at = now
         return delay_s - self._baseline
-
-    @property
-    def baseline_s(self) -> float | None:
-        return None if math.isinf(self._baseline) else self._baseline

@@ -93,7 +93,7 @@ def worker_address(address: str, index: int, ports: str) -> str:
     host, port = split_host_port(address)
     if port == 0:
         return address
-    return f"{_join(host)}:{port + index}"
+    return f"{bracketed(host)}:{port + index}"
 
 
 def worker_addresses(address: str, workers: int, ports: str) -> list[str]:
@@ -103,7 +103,8 @@ def worker_addresses(address: str, workers: int, ports: str) -> list[str]:
     return [worker_address(address, i, ports) for i in range(workers)]
 
 
-def _join(host: str) -> str:
+def bracketed(host: str) -> str:
+    """`host` as it stands before `:port` (an IPv6 address in brackets)."""
     return f"[{host}]" if ":" in host else host
 
 
@@ -158,7 +159,7 @@ def reserve_port(address: str) -> tuple[str, socket.socket | None]:
         if port == 0:
             raise
         return address, None  # taken without SO_REUSEPORT: the workers will say so
-    return f"{_join(host)}:{sock.getsockname()[1]}", sock
+    return f"{bracketed(host)}:{sock.getsockname()[1]}", sock
 
 
 @dataclass

@@ -333,7 +333,6 @@ class RedisGate:
             return
         rid = admission.ticket.request_id
         self.tentative[rid] = admission.lease.lease_id
-        self.sync.proposing(admission.ticket.pool, admission.ticket.tenant)
         pregranted = self.pregranted.pop(rid, None)
         fresh = self.settings.lease_ttl / 2
         if pregranted is not None and scheduler.clock.now() - pregranted[0] < fresh:
@@ -350,7 +349,7 @@ class RedisGate:
         ticket, lease_id = admission.ticket, admission.lease.lease_id
         scheduler = self.host.scheduler
         self.tentative.pop(ticket.request_id, None)
-        self.sync.proposed(ticket.pool, ticket.tenant)
+        self.sync.proposal_answered()
         turn = self.host.waiting_for(ticket.request_id)
         gone = turn is None or turn.done()
         error = failure(future)

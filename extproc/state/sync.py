@@ -7,7 +7,6 @@ import asyncio
 import contextlib
 import logging
 import random
-from collections import Counter
 from functools import partial
 
 from extproc.state import ops
@@ -34,11 +33,6 @@ class PeerSync:
         self._park_reason: dict[tuple[str, str], str] = {}
         """Why a tenant is parked in a pool: fair and tier keep it in the shared backlog
         registry (it still waits); concurrency takes it out (it does not compete)."""
-        self._proposing: Counter[tuple[str, str]] = Counter()
-        """(pool, tenant) -> requests of it proposed to the gate and not yet answered. Such a
-        tenant still waits: taking it out of the registry while its only request is being
-        proposed would let another process's gate pass over it, and registering it again
-        lifts its fair-share counter to the least of the others, forgetting what it is owed."""
         self._membership_seen = -1
         self._recheck: asyncio.TimerHandle | None = None
         self._epoch: str | None = None
@@ -68,16 +62,9 @@ class PeerSync:
 
     # -- backlog registry ---------------------------------------------------------------------
 
-    def proposing(self, pool: str, tenant: str) -> None:
-        """A request of `tenant` is on its way to the gate (see `_proposing`)."""
-        self._proposing[(pool, tenant)] += 1
-
-    def proposed(self, pool: str, tenant: str) -> None:
-        """The gate answered a proposal: the next sync decides whether `tenant` still waits."""
-        key = (pool, tenant)
-        self._proposing[key] -= 1
-        if self._proposing[key] <= 0:
-            del self._proposing[key]
+    def proposal_answered(self) -> None:
+        """The gate answered a proposal (`gate.tentative` changed): the next sync decides
+        whether its tenant still waits, whatever the scheduler's membership says."""
         self._membership_seen = -1
 
     def sync_backlog(self) -> None:
@@ -95,10 +82,14 @@ class PeerSync:
                 del self._park_reason[(pool, tenant)]
             elif reason != "concurrency" and tenant in scheduler.queued_tenants(pool):
                 current.add((pool, gate.policy.tier_rank[spec.tier], tenant))
-        for pool, tenant in self._proposing:
-            spec = gate.policy.tenant(tenant)
-            if spec is not None:
-                current.add((pool, gate.policy.tier_rank[spec.tier], tenant))
+        # A tenant whose request is being proposed (out of the queue until the gate answers)
+        # still waits: taken out of the registry and registered again, its fair-share counter
+        # would be lifted to the least of the others' and it would forget what it is owed.
+        for lease_id in gate.tentative.values():
+            lease = scheduler.lease(lease_id)
+            spec = None if lease is None else gate.policy.tenant(lease.tenant)
+            if lease is not None and spec is not None:
+                current.add((lease.pool, gate.policy.tier_rank[spec.tier], lease.tenant))
         add = current - self._registered
         remove = self._registered - current
         self._registered = current

@@ -52,7 +52,6 @@ def test_the_excess_is_over_the_smallest_delay_whatever_the_clock_offset() -> No
     assert delays.excess(skew + 0.003, now=0.0) == 0.0
     assert abs(delays.excess(skew + 0.002, now=1.0) - 0.0) < 1e-9  # a new, smaller baseline
     assert abs(delays.excess(skew + 1.502, now=2.0) - (1.5 - BASELINE_DRIFT_PER_S)) < 1e-9
-    assert delays.baseline_s is not None and delays.baseline_s < skew + 0.01
 
 
 def test_the_baseline_creeps_up_so_a_changed_offset_is_absorbed() -> None:
