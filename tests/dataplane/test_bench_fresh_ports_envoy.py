@@ -40,7 +40,9 @@ def test_a_taken_grpc_port_gives_a_second_start_on_fresh_ports(
             with urllib.request.urlopen(gateway.admin_url + "/readyz", timeout=5) as answer:
                 assert answer.status == 200
     assert picked[1] == taken_port
-    assert len(picked) == 8  # two starts of four ports each
+    # Two starts of four ports each; a third (the most there may be) only when a port the
+    # second start picked was taken by another process before it bound it (seen in CI).
+    assert len(picked) in (8, 12)
     assert "a port was taken before its server bound it" in capsys.readouterr().err
     log = (tmp_path / "extproc.log").read_text()
     assert str(taken_port) not in log  # the log is the second start's
