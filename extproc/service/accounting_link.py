@@ -35,8 +35,13 @@ log = logging.getLogger("extproc.accounting_link")
 
 ATTACH, STARTED, FIRST_BYTE, OUTPUT, SETTLE, READY, LAG = "a", "r", "f", "o", "s", "ready", "l"
 LAG_INTERVAL_S = 0.05
-"""The child samples its event-loop lag this often and reports it ([LAG, lag in µs]); the
-parent also counts the silence since the last report: a stopped child reports nothing."""
+"""While a stream is open the child samples its event-loop lag this often and reports it
+([LAG, lag in µs, µs to the next report]); the parent also counts the silence beyond twice
+that announced interval: a stopped child reports nothing."""
+IDLE_LAG_INTERVAL_S = 0.5
+"""With no stream open the child reports this seldom: an idle service's two processes would
+otherwise both wake 20 times a second for nothing. A stream's attach brings the busy interval
+back at once, and the parent counts the silence since a forward at the busy interval."""
 _HEADER = struct.Struct("!I")
 MAX_FRAME = 64 * 1024 * 1024
 
@@ -122,6 +127,7 @@ class ForwardedLease:
     def settle(self, usage: Usage | None, output_seen: int) -> None:
         self.flush_output()
         self._port.emit([SETTLE, self._stream, _usage_fields(usage), output_seen])
+        self._port.settled()
 
 
 class ForwardingPort:
@@ -133,11 +139,20 @@ class ForwardingPort:
         self._output: list[ForwardedLease] = []
         self._scheduled = False
         self._next_stream = 0
+        self.open_streams = 0
+        """Attached and not settled yet."""
+        self.attached: Callable[[], None] = lambda: None
+        """Called on every attach (the lag reporter leaves its idle interval)."""
 
     def attach(self, request_id: str) -> AccountedLease | None:
         self._next_stream += 1
+        self.open_streams += 1
         self.emit([ATTACH, self._next_stream, request_id])
+        self.attached()
         return ForwardedLease(self, self._next_stream)
+
+    def settled(self) -> None:
+        self.open_streams -= 1
 
     def emit(self, event: list[object], schedule: bool = True) -> None:
         self._events.append(event)
@@ -164,14 +179,42 @@ class ForwardingPort:
             self._write(encode_frame(events))
 
 
-async def report_lag(port: ForwardingPort) -> None:
-    """The child's ticker: its event-loop lag, every LAG_INTERVAL_S, as a LAG event."""
-    loop = asyncio.get_running_loop()
-    while True:
-        expected = loop.time() + LAG_INTERVAL_S
-        await asyncio.sleep(LAG_INTERVAL_S)
-        lag_us = max(0, round((loop.time() - expected) * 1e6))
-        port.emit([LAG, lag_us])
+class LagReporter:
+    """The child's ticker (a loop timer, no task): its event-loop lag as a LAG event, every
+    LAG_INTERVAL_S while a stream is open, every IDLE_LAG_INTERVAL_S otherwise; an attach
+    during an idle interval reports at once and brings the busy interval back."""
+
+    def __init__(self, port: ForwardingPort) -> None:
+        self._port = port
+        self._loop = asyncio.get_running_loop()
+        self._timer: asyncio.TimerHandle | None = None
+        self._due = 0.0
+        self._interval_s = LAG_INTERVAL_S
+        self._lag_us = 0
+        port.attached = self._attached
+
+    def start(self) -> None:
+        self._report(LAG_INTERVAL_S)
+
+    def stop(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+    def _report(self, interval_s: float) -> None:
+        self._port.emit([LAG, self._lag_us, round(interval_s * 1e6)])
+        self._interval_s = interval_s
+        self._due = self._loop.time() + interval_s
+        self._timer = self._loop.call_at(self._due, self._sample)
+
+    def _sample(self) -> None:
+        self._lag_us = max(0, round((self._loop.time() - self._due) * 1e6))
+        self._report(LAG_INTERVAL_S if self._port.open_streams else IDLE_LAG_INTERVAL_S)
+
+    def _attached(self) -> None:
+        if self._interval_s > LAG_INTERVAL_S and self._timer is not None:
+            self._timer.cancel()
+            self._report(LAG_INTERVAL_S)  # with the last lag measured
 
 
 # -- the parent's end --------------------------------------------------------------------------
@@ -205,21 +248,34 @@ class EventApplier:
         self.ready = asyncio.get_running_loop().create_future()
         """Resolves to the child's gRPC port once it serves."""
         self._lag_s = 0.0
+        self._interval_s = LAG_INTERVAL_S
+        """Until the next report, as the child announced it."""
         self._heard_at: float | None = None
         self.lost = False
 
-    def behind_s(self) -> float:
+    def behind_s(self, forwarded_at: float | None = None) -> float:
         """How far behind the child is: the largest of its last reported loop lag, the silence
-        since its last report beyond the reporting interval, and how late the last attach came;
-        0 once the link is lost (nothing will attach then) or before the child reported."""
+        since its last report beyond twice the interval it announced, and how late the last
+        attach came; 0 once the link is lost (nothing will attach then) or before the child
+        reported. `forwarded_at`: a request forwarded then has not attached yet; if nothing
+        was heard since, a live child would have attached and reported at the busy interval,
+        so the silence since the forward counts against that interval."""
         if self.lost or self._heard_at is None:
             return 0.0
-        silence = self._clock() - self._heard_at - 2 * LAG_INTERVAL_S
+        now = self._clock()
+        silence = now - self._heard_at - 2 * self._interval_s
+        if forwarded_at is not None and forwarded_at > self._heard_at:
+            silence = max(silence, now - forwarded_at - 2 * LAG_INTERVAL_S)
         return max(self._lag_s, silence, self._attach_delay_s, 0.0)
 
     @property
     def open_streams(self) -> int:
         return len(self._open)
+
+    @property
+    def report_interval_s(self) -> float:
+        """The child's next report is due this long after its last one (it said so)."""
+        return self._interval_s
 
     def apply(self, events: list[list[object]]) -> None:
         self._heard_at = self._clock()
@@ -242,6 +298,7 @@ class EventApplier:
             return
         if kind == LAG:
             self._lag_s = stream / 1e6
+            self._interval_s = _int(event[2]) / 1e6
             return
         if kind == READY:
             if not self.ready.done():

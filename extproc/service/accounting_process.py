@@ -33,8 +33,8 @@ from extproc.service.accounting_link import (
     ApplierProtocol,
     EventApplier,
     ForwardingPort,
+    LagReporter,
     encode_frame,
-    report_lag,
 )
 from extproc.service.logs import configure_logging
 from extproc.service.ports import AccountingPort
@@ -82,9 +82,10 @@ class AccountingChild:
     def open_streams(self) -> int:
         return self.applier.open_streams if self.applier is not None else 0
 
-    def behind_s(self) -> float:
-        """How far behind the running child is (0 while none runs): attaches may come late."""
-        return self.applier.behind_s() if self.applier is not None else 0.0
+    def behind_s(self, forwarded_at: float | None = None) -> float:
+        """How far behind the running child is (0 while none runs): attaches may come late
+        (`forwarded_at`: see `EventApplier.behind_s`)."""
+        return self.applier.behind_s(forwarded_at) if self.applier is not None else 0.0
 
     async def start(self) -> int:
         """Start the child; its gRPC port once it serves (OSError if it does not)."""
@@ -201,9 +202,10 @@ async def _serve_child(address: str, fd: int) -> None:
     port = ForwardingPort(write)
     server, grpc_port = await start_accounting_server(port, address)
     transport.write(encode_frame([[READY, grpc_port]]))
-    ticker = loop.create_task(report_lag(port))
+    ticker = LagReporter(port)
+    ticker.start()
     await closed.wait()
-    ticker.cancel()
+    ticker.stop()
     # The parent is gone: what the streams still open would report has nowhere to go, and
     # their abort by the stop is not a failure worth a traceback each.
     logging.getLogger("extproc.server").setLevel(logging.CRITICAL)

@@ -104,7 +104,7 @@ class Gateway:
         request = self._registry.get(request_id)
         return request.admission_ended_at if request is not None else None
 
-    def accounting_runs_behind_by(self, behind: Callable[[], float]) -> None:
+    def accounting_runs_behind_by(self, behind: Callable[[float], float]) -> None:
         """The accounting streams run in a child process that reports how far behind it is:
         a forwarded request's capacity waits that much longer for its attach."""
         self._settlement.accounting_behind = behind

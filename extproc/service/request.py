@@ -139,10 +139,11 @@ class Settlement:
         """Requests admitted so far (the reconciler reads engines between admissions)."""
         self.rejections: deque[RejectionRecord] = deque(maxlen=REJECTIONS_KEPT)
         """The last answers the service gave itself, newest first."""
-        self.accounting_behind: Callable[[], float] = lambda: 0.0
-        """How far behind an accounting process is (s): its attach may come that much later
-        than the grace, and freeing the capacity before would admit work the engines still
-        run (set by extproc.service.main when the accounting runs in a child process)."""
+        self.accounting_behind: Callable[[float], float] = lambda forwarded_at: 0.0
+        """How far behind an accounting process is (s), asked for a request forwarded at the
+        given time that has not attached: its attach may come that much later than the grace,
+        and freeing the capacity before would admit work the engines still run (set by
+        extproc.service.main when the accounting runs in a child process)."""
 
     def count_admission(self) -> None:
         self.admissions += 1
@@ -175,8 +176,8 @@ class Settlement:
     def _unclaimed_after_grace(self, request: Request) -> None:
         if request.accounting_attached or request.released:
             return  # settle() releases and records it
-        behind = self.accounting_behind()
         ended = request.admission_ended_at
+        behind = self.accounting_behind(ended) if ended is not None else 0.0
         if behind > 0 and ended is not None:
             # Attaches arrive `behind` late now: wait that long past the grace (re-checked).
             wait_until = ended + min(behind + ATTACH_GRACE_S, ATTACH_WAIT_MAX_S)

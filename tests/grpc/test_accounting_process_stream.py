@@ -21,6 +21,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ext_proc_gr
 
 from extproc.policy import policy_from_text
 from extproc.service import request as request_record
+from extproc.service.accounting_link import IDLE_LAG_INTERVAL_S
 from extproc.service.accounting_process import AccountingChild
 from extproc.service.composition import compose
 from extproc.service.gateway import Gateway
@@ -176,12 +177,43 @@ async def test_capacity_waits_for_an_accounting_process_that_is_behind(monkeypat
         await first.close()
 
 
+async def test_an_idle_child_frozen_before_a_forward_still_holds_its_capacity(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """With no stream open the child reports only every IDLE_LAG_INTERVAL_S; frozen then, a
+    forward right after is not attached within the grace, and the silence since the forward
+    (not since the idle report) says it is behind: the slot stays taken until it attaches."""
+    monkeypatch.setattr(request_record, "ATTACH_GRACE_S", 0.3)
+    gateway = compose(policy_from_text(policy_yaml(short_inflight=1)))
+    async with served_stub(gateway) as admission, child_served(gateway) as (child, accounting):
+        gateway.accounting_runs_behind_by(child.behind_s)
+        await until(
+            lambda: (
+                child.applier is not None and child.applier.report_interval_s == IDLE_LAG_INTERVAL_S
+            ),
+            "an idle report",
+        )
+        pid = child.pid
+        assert pid is not None
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            first, forward = await _forward(admission, "globex", _chat())
+            assert await asyncio.wait_for(first.call.code(), 5) == grpc.StatusCode.OK
+            ends = asyncio.ensure_future(response_ends(accounting, forward, usage=(2, 3)))
+            await asyncio.sleep(1.0)  # three graces, and twice the idle interval
+            assert gateway.scheduler.snapshot()["pools"]["short"]["inflight"] == 1
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        await ends
+        await until(lambda: counted(gateway, "globex", "output") == 3, "the settle")
+        assert gateway.scheduler.snapshot()["pools"]["short"]["inflight"] == 0
+        await first.close()
+
+
 async def test_without_reports_the_attach_grace_frees_the_slot(monkeypatch) -> None:  # type: ignore[no-untyped-def]
     """The same request when the accounting side is not behind (a child that is down, or
     in-process accounting): freed after the grace, as before."""
     monkeypatch.setattr(request_record, "ATTACH_GRACE_S", 0.05)
     gateway = compose(policy_from_text(policy_yaml(short_inflight=1)))
-    gateway.accounting_runs_behind_by(lambda: 0.0)
+    gateway.accounting_runs_behind_by(lambda forwarded_at: 0.0)
     async with served_stub(gateway) as admission:
         first, _ = await _forward(admission, "globex", _chat())
         assert await asyncio.wait_for(first.call.code(), 5) == grpc.StatusCode.OK

@@ -1,16 +1,22 @@
 """The accounting events between a child accounting process and its parent, both ends in one
-process: frames cut anywhere, output summed per batch, order kept, a lost link settled, and
-how far behind a child counts as."""
+process: frames cut anywhere, output summed per batch, order kept, a lost link settled, how far
+behind a child counts as, and how often an idle child reports."""
 
 from __future__ import annotations
 
 import asyncio
+import time
+from collections.abc import Callable
 
 from extproc.service.accounting_link import (
+    ATTACH,
+    IDLE_LAG_INTERVAL_S,
     LAG,
+    LAG_INTERVAL_S,
     EventApplier,
     ForwardingPort,
     FrameReader,
+    LagReporter,
     encode_frame,
 )
 from extproc.service.ports import AccountedLease
@@ -45,7 +51,7 @@ class RecordingPort:
 
 
 def test_frames_cut_anywhere_come_out_whole() -> None:
-    frames = [[["a", 1, "r1"]], [["o", 1, 7], ["s", 1, None, 7]], [[LAG, 1500]]]
+    frames = [[["a", 1, "r1"]], [["o", 1, 7], ["s", 1, None, 7]], [[LAG, 1500, 50_000]]]
     stream = b"".join(encode_frame(f) for f in frames)
     for cut in range(1, len(stream)):
         reader = FrameReader()
@@ -96,9 +102,9 @@ async def test_behind_is_the_reported_lag_or_the_silence() -> None:
     now = [100.0]
     applier = EventApplier(RecordingPort(), clock=lambda: now[0])
     assert applier.behind_s() == 0.0  # not heard from yet
-    applier.apply([[LAG, 20_000]])
+    applier.apply([[LAG, 20_000, 50_000]])
     assert applier.behind_s() == 0.02
-    applier.apply([[LAG, 0]])
+    applier.apply([[LAG, 0, 50_000]])
     assert applier.behind_s() == 0.0
     now[0] += 0.6  # silent: a stopped or starved child
     assert 0.45 < applier.behind_s() < 0.55
@@ -110,10 +116,61 @@ async def test_behind_counts_how_late_the_last_attach_came() -> None:
     now = [50.0]
     forwarded = {"r1": 47.5}
     applier = EventApplier(RecordingPort(), clock=lambda: now[0], forwarded_at=forwarded.get)
-    applier.apply([[LAG, 0], ["a", 1, "r1"]])
+    applier.apply([[LAG, 0, 50_000], ["a", 1, "r1"]])
     assert applier.behind_s() == 2.5
     applier.apply([["a", 2, "not-ours"]])  # admitted elsewhere: says nothing about the delay
     assert applier.behind_s() == 2.5
     forwarded["r3"] = 49.9
     applier.apply([["a", 3, "r3"]])
     assert abs(applier.behind_s() - 0.1) < 1e-9
+
+
+async def test_an_idle_child_may_be_silent_as_announced_but_not_after_a_forward() -> None:
+    now = [10.0]
+    applier = EventApplier(RecordingPort(), clock=lambda: now[0])
+    applier.apply([[LAG, 0, 500_000]])  # no stream open: the next report in 0.5 s
+    now[0] += 0.9
+    assert applier.behind_s() == 0.0  # within twice the announced interval
+    assert applier.behind_s(forwarded_at=9.0) == 0.0  # forwarded before the last report
+    # Forwarded 0.8 s ago and nothing heard since: a live child would have attached and
+    # reported at the busy interval, so it is 0.8 - 2 x 0.05 s behind.
+    assert abs(applier.behind_s(forwarded_at=10.1) - 0.7) < 1e-9
+    now[0] += 0.5
+    assert abs(applier.behind_s() - 0.4) < 1e-9  # 1.4 s of silence against 2 x 0.5 s
+
+
+def _lag_events(frames: list[bytes]) -> list[list[object]]:
+    reader = FrameReader()
+    return [e for f in reader.feed(b"".join(frames)) for e in f if e[0] in (LAG, ATTACH)]
+
+
+async def _until(check: Callable[[], bool], what: str, timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not check():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        await asyncio.sleep(0.005)
+
+
+async def test_the_child_reports_seldom_while_idle_and_at_once_when_a_stream_attaches() -> None:
+    busy, idle = round(LAG_INTERVAL_S * 1e6), round(IDLE_LAG_INTERVAL_S * 1e6)
+    frames: list[bytes] = []
+    port = ForwardingPort(frames.append)
+    reporter = LagReporter(port)
+    reporter.start()
+    try:
+        await _until(lambda: len(_lag_events(frames)) >= 2, "the first sample")
+        assert [e[2] for e in _lag_events(frames)] == [busy, idle]
+        lease = port.attach("r1")
+        assert lease is not None
+        await _until(lambda: len(_lag_events(frames)) >= 4, "the attach")
+        # Reported with the attach, long before the idle interval is over.
+        attach, report = _lag_events(frames)[2:4]
+        assert attach[0] == ATTACH and report[0] == LAG and report[2] == busy
+        await _until(lambda: len(_lag_events(frames)) >= 6, "two busy samples")
+        assert [e[2] for e in _lag_events(frames)[4:6]] == [busy, busy]  # a stream is open
+        lease.settle(None, 0)
+        count = len(_lag_events(frames))
+        await _until(lambda: len(_lag_events(frames)) > count, "the sample after the settle")
+        assert _lag_events(frames)[-1][2] == idle
+    finally:
+        reporter.stop()
