@@ -2,11 +2,13 @@
 
 Arms, started at the same time and measured over the same window (side by side, so the
 machine's other load falls on all of them alike): the service with the overload monitor on
-(the default policy), the same with `gateway.overload.enabled: false`, and with `--before
-REV_OR_PATH` an older tree's service with its monitor on. No request is sent; each process's
-user + system CPU time is read from /proc at the start and the end of the window, after every
-arm is ready. Their engine is an address nothing listens on, so every arm's engine poller does
-the same (nothing), and the difference between the arms is the monitor.
+(the default policy), the same with `gateway.overload.enabled: false`, the service with its
+accounting child process (`--accounting-grpc`, as `extproc up` and the deploy files run it),
+and with `--before REV_OR_PATH` an older tree's service with its monitor on, alone and with its
+accounting child. No request is sent; each service's user + system CPU time, its child's
+included, is read from /proc at the start and the end of the window, after every arm is ready.
+Their engine is an address nothing listens on, so every arm's engine poller does the same
+(nothing), and the differences between the arms are the monitor and the child.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from gateway_lab.bench.cores import descendants
 from gateway_lab.bench.revisions import tree_of_rev
 from gateway_lab.bench.stack import cpu_seconds, free_port
 from gateway_lab.processes import http_ok
@@ -48,6 +51,7 @@ class Arm:
     name: str
     tree: Path
     monitor: bool
+    accounting_child: bool = False
     process: subprocess.Popen[bytes] | None = None
     admin: str = ""
 
@@ -69,9 +73,11 @@ def _serving(arm: Arm, workdir: Path) -> Iterator[Arm]:
     policy.write_text(POLICY % ("true" if arm.monitor else "false"))
     arm.admin = f"127.0.0.1:{free_port()}"
     log = (workdir / f"{arm.name}.log").open("wb")
+    child = ["--accounting-grpc", f"127.0.0.1:{free_port()}"] if arm.accounting_child else []
     arm.process = subprocess.Popen(
         [sys.executable, "-m", "extproc.service.main", "--log-level", "WARNING",
-         "--policy", str(policy), "--grpc", f"127.0.0.1:{free_port()}", "--admin", arm.admin],
+         "--policy", str(policy), "--grpc", f"127.0.0.1:{free_port()}", "--admin", arm.admin,
+         *child],
         cwd=arm.tree, env={**os.environ, "PYTHONPATH": str(arm.tree)},
         stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
     )  # fmt: skip
@@ -97,6 +103,11 @@ def _wait_ready(arms: list[Arm]) -> None:
             time.sleep(0.1)
 
 
+def _tree_cpu_s(pid: int) -> float:
+    """CPU seconds of a service and its accounting child (its only descendant)."""
+    return sum(cpu_seconds(process) for process in (pid, *descendants(pid)))
+
+
 def measure(arms: list[Arm], seconds: float, workdir: Path) -> dict[str, dict[str, float]]:
     """Each arm's CPU seconds at the start and the end of one window (all arms at once), the
     window's length, and CPU milliseconds per second over it."""
@@ -106,11 +117,11 @@ def measure(arms: list[Arm], seconds: float, workdir: Path) -> dict[str, dict[st
         _wait_ready(arms)
         time.sleep(2.0)  # past start-up (the first reload check, the first engine poll)
         pids = {arm.name: arm.process.pid for arm in arms if arm.process is not None}
-        began = {name: cpu_seconds(pid) for name, pid in pids.items()}
+        began = {name: _tree_cpu_s(pid) for name, pid in pids.items()}
         start = time.monotonic()
         time.sleep(seconds)
         elapsed = time.monotonic() - start
-        ended = {name: cpu_seconds(pid) for name, pid in pids.items()}
+        ended = {name: _tree_cpu_s(pid) for name, pid in pids.items()}
     return {
         name: {
             "cpu_s_start": began[name],
@@ -127,11 +138,16 @@ def main(args: argparse.Namespace) -> int:
     out.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as scratch:
         root = Path(__file__).resolve().parents[2]
-        arms = [Arm("monitor-on", root, True), Arm("monitor-off", root, False)]
+        arms = [
+            Arm("monitor-on", root, True),
+            Arm("monitor-off", root, False),
+            Arm("child", root, True, accounting_child=True),
+        ]
         if args.before is not None:
             given = Path(args.before)
             tree = given if given.is_dir() else tree_of_rev(args.before, Path(scratch) / "tree")
             arms.append(Arm("before-monitor-on", tree, True))
+            arms.append(Arm("before-child", tree, True, accounting_child=True))
         workdir = Path(scratch) / "run"
         workdir.mkdir()
         print(f"[{SCENARIO}] {len(arms)} idle services for {args.seconds:.0f} s", file=sys.stderr)

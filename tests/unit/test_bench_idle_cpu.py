@@ -23,7 +23,7 @@ def test_a_short_run_writes_every_arm(tmp_path: Path) -> None:
     )  # fmt: skip
     assert result.returncode == 0, result.stderr
     results = json.loads((tmp_path / "results.json").read_text())
-    assert set(results["cpu_ms_per_s"]) == {"monitor-on", "monitor-off"}
+    assert set(results["cpu_ms_per_s"]) == {"monitor-on", "monitor-off", "child"}
     for reading in results["raw"].values():
         assert reading["cpu_s_end"] >= reading["cpu_s_start"] > 0
         assert reading["window_s"] >= 1.0
