@@ -12,7 +12,7 @@ import asyncio
 import contextlib
 import os
 import signal
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 
 import grpc
@@ -150,6 +150,35 @@ async def test_admission_is_answered_while_the_child_is_frozen(served) -> None: 
     await until(lambda: gateway.scheduler.snapshot()["pools"]["short"]["inflight"] == 0, "settle")
 
 
+async def _forward_while_frozen_holds_the_slot(
+    gateway: Gateway,
+    admission: Stub,
+    child: AccountingChild,
+    accounting: Stub,
+    frozen: Callable[[], Awaitable[None]],
+    held_s: float,
+) -> None:
+    """Freeze the child, wait for `frozen`, forward a request: its slot stays taken for
+    `held_s` while the child cannot attach; thawed, it attaches and settles."""
+    gateway.accounting_runs_behind_by(child.behind_s)
+    pid = child.pid
+    assert pid is not None
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        await frozen()
+        first, forward = await _forward(admission, "globex", _chat())
+        assert await asyncio.wait_for(first.call.code(), 5) == grpc.StatusCode.OK
+        ends = asyncio.ensure_future(response_ends(accounting, forward, usage=(2, 3)))
+        await asyncio.sleep(held_s)  # the span the slot must stay taken, not a wait for it
+        assert gateway.scheduler.snapshot()["pools"]["short"]["inflight"] == 1
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    await ends
+    await until(lambda: counted(gateway, "globex", "output") == 3, "the settle")
+    assert gateway.scheduler.snapshot()["pools"]["short"]["inflight"] == 0
+    await first.close()
+
+
 async def test_capacity_waits_for_an_accounting_process_that_is_behind(monkeypatch) -> None:  # type: ignore[no-untyped-def]
     """A frozen child reports nothing: its silence counts as lag, so a forwarded request's
     slot is not freed after the attach grace as if its accounting stream would never come
@@ -157,24 +186,19 @@ async def test_capacity_waits_for_an_accounting_process_that_is_behind(monkeypat
     monkeypatch.setattr(request_record, "ATTACH_GRACE_S", 0.05)
     gateway = compose(policy_from_text(policy_yaml(short_inflight=1)))
     async with served_stub(gateway) as admission, child_served(gateway) as (child, accounting):
-        gateway.accounting_runs_behind_by(child.behind_s)
         await until(lambda: child.behind_s() == 0.0 and child.applier is not None, "a report")
-        pid = child.pid
-        assert pid is not None
-        os.kill(pid, signal.SIGSTOP)
-        try:
+
+        async def silence_counts() -> None:
             await until(lambda: child.behind_s() > 0.1, "the silence to count")
-            first, forward = await _forward(admission, "globex", _chat())
-            assert await asyncio.wait_for(first.call.code(), 5) == grpc.StatusCode.OK
-            ends = asyncio.ensure_future(response_ends(accounting, forward, usage=(2, 3)))
-            await asyncio.sleep(0.5)  # ten graces
-            assert gateway.scheduler.snapshot()["pools"]["short"]["inflight"] == 1
-        finally:
-            os.kill(pid, signal.SIGCONT)
-        await ends
-        await until(lambda: counted(gateway, "globex", "output") == 3, "the settle")
-        assert gateway.scheduler.snapshot()["pools"]["short"]["inflight"] == 0
-        await first.close()
+
+        await _forward_while_frozen_holds_the_slot(
+            gateway,
+            admission,
+            child,
+            accounting,
+            silence_counts,
+            held_s=0.5,  # ten graces
+        )
 
 
 async def test_an_idle_child_frozen_before_a_forward_still_holds_its_capacity(monkeypatch) -> None:  # type: ignore[no-untyped-def]
@@ -184,28 +208,24 @@ async def test_an_idle_child_frozen_before_a_forward_still_holds_its_capacity(mo
     monkeypatch.setattr(request_record, "ATTACH_GRACE_S", 0.3)
     gateway = compose(policy_from_text(policy_yaml(short_inflight=1)))
     async with served_stub(gateway) as admission, child_served(gateway) as (child, accounting):
-        gateway.accounting_runs_behind_by(child.behind_s)
         await until(
             lambda: (
                 child.applier is not None and child.applier.report_interval_s == IDLE_LAG_INTERVAL_S
             ),
             "an idle report",
         )
-        pid = child.pid
-        assert pid is not None
-        os.kill(pid, signal.SIGSTOP)
-        try:
-            first, forward = await _forward(admission, "globex", _chat())
-            assert await asyncio.wait_for(first.call.code(), 5) == grpc.StatusCode.OK
-            ends = asyncio.ensure_future(response_ends(accounting, forward, usage=(2, 3)))
-            await asyncio.sleep(1.0)  # three graces, and twice the idle interval
-            assert gateway.scheduler.snapshot()["pools"]["short"]["inflight"] == 1
-        finally:
-            os.kill(pid, signal.SIGCONT)
-        await ends
-        await until(lambda: counted(gateway, "globex", "output") == 3, "the settle")
-        assert gateway.scheduler.snapshot()["pools"]["short"]["inflight"] == 0
-        await first.close()
+
+        async def at_once() -> None:
+            return None
+
+        await _forward_while_frozen_holds_the_slot(
+            gateway,
+            admission,
+            child,
+            accounting,
+            at_once,
+            held_s=1.0,  # 2 idle intervals
+        )
 
 
 async def test_without_reports_the_attach_grace_frees_the_slot(monkeypatch) -> None:  # type: ignore[no-untyped-def]
