@@ -21,7 +21,8 @@ two (Envoy, the front and this load generator on the others). One tenant sends 1
 * `static`: the same with the pool's adaptive soft limit off, so nothing reads the engine's
   `/metrics` (10 times a second by default): what that polling costs the engine and us;
 * `before` (with `--before-src DIR`): our service from another source tree (PYTHONPATH=DIR),
-  to compare a change with what it replaces in the same run.
+  to compare a change with what it replaces in the same run; `before-child` the same with its
+  accounting child process, as `service-child`.
 
 The arms take turns in `--rounds` rounds (a fresh stack per turn, the order rotated each
 round), so drifts of a shared machine hit every arm alike. Per arm: the time to the first
@@ -66,6 +67,8 @@ ARMS = (
     "straight", "noop", "noop-grpclib", "noop-no-acct", "mimic", "mimic-grpclib", "one-trip",
     "service", "service-child", "static",
 )  # fmt: skip
+BEFORE_ARMS = ("before", "before-child")
+"""Arms that run the service of `--before-src`."""
 TARGET_ADDED_P50_MS = 1.0
 TARGET_ADDED_P99_MS = 3.0
 
@@ -180,13 +183,14 @@ def front(arm: str, workdir: Path, endpoint: str, before_src: Path | None) -> It
     if arm.endswith("-grpclib"):
         noop_args += ("--grpclib",)
     env = None
-    if arm == "before":
+    if arm in BEFORE_ARMS:
         assert before_src is not None
         env = {**os.environ, "PYTHONPATH": str(before_src)}
     with gateway_stack(
         workdir, policy_text(endpoint, adaptive=arm != "static"), kind,
         bootstrap_edit=EDITS.get(arm, phases.timed_bootstrap),
-        accounting_process=arm == "service-child", noop_args=noop_args, extproc_env=env,
+        accounting_process=arm in ("service-child", "before-child"), noop_args=noop_args,
+        extproc_env=env,
     ) as gateway:  # fmt: skip
         yield gateway
 
@@ -365,7 +369,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quick", action="store_true", help="a short smoke run")
     parser.add_argument("--rounds", type=int, default=Settings.rounds)
     parser.add_argument("--measure", type=float, help="measured seconds per arm and round")
-    parser.add_argument("--arms", help=f"comma-separated subset of {list(ARMS)} (and before)")
+    parser.add_argument(
+        "--arms", help=f"comma-separated subset of {list(ARMS)} (and {', '.join(BEFORE_ARMS)})"
+    )
     parser.add_argument(
         "--before-src", type=Path, help="a source tree whose service runs as the `before` arm"
     )
@@ -380,10 +386,10 @@ def main(args: argparse.Namespace) -> int:
     arms = list(ARMS) + (["before"] if args.before_src else [])
     if args.arms:
         arms = [a.strip() for a in args.arms.split(",") if a.strip()]
-    unknown = [a for a in arms if a not in (*ARMS, "before")]
-    if unknown or ("before" in arms and args.before_src is None):
-        raise SystemExit(f"unknown arms {unknown} (known: {list(ARMS)}; `before` needs "
-                         "--before-src)")  # fmt: skip
+    unknown = [a for a in arms if a not in (*ARMS, *BEFORE_ARMS)]
+    if unknown or (set(arms) & set(BEFORE_ARMS) and args.before_src is None):
+        raise SystemExit(f"unknown arms {unknown} (known: {list(ARMS)}; {', '.join(BEFORE_ARMS)} "
+                         "need --before-src)")  # fmt: skip
     run(args.out, scenario.workdir_of(args), settings, arms, args.before_src)
     return 0
 
