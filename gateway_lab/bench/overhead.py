@@ -19,15 +19,20 @@ from pathlib import Path
 from typing import Any
 
 from extproc.policy import hash_key
+from gateway_lab.bench.cores import descendants
 from gateway_lab.bench.figures import pyplot, save_figure
 from gateway_lab.bench.loadgen import Load, closed_loop, summarize
 from gateway_lab.bench.records import Meter, Record, Spec, percentile
-from gateway_lab.bench.stack import ARMS, Gateway, bench_stack, cpu_seconds
+from gateway_lab.bench.stack import Gateway, bench_stack, cpu_seconds
 from gateway_lab.engine.tokens import chat_prompt_tokens
 from gateway_lab.progress import Progress
 
 DEFAULT_OUT = Path("results/overhead")
 BENCH_KEY = "bench-key"
+ARMS = ("straight", "noop", "extproc", "extproc-child")
+"""`extproc`: our service accounting in process; `extproc-child`: with its accounting child
+process (`serve --accounting-grpc`), the layout `extproc up` and the deploy files ship, its
+CPU the two processes' together."""
 
 
 def bench_policy(short: str, long_: str) -> str:
@@ -68,20 +73,27 @@ async def closed_run(
     return load.records
 
 
-def measure(
-    stack: Gateway, output_tokens: int, concurrency: int, duration_s: float
-) -> dict[str, Any]:
+def _front_cpu_s(stack: Gateway) -> float:
+    """CPU seconds of the ext_proc server and its accounting child, if any; 0 without one."""
     pid = stack.pid_of("extproc")
-    cpu_before = cpu_seconds(pid) if pid else 0.0
+    if pid is None:
+        return 0.0
+    return sum(cpu_seconds(process) for process in (pid, *descendants(pid)))
+
+
+def measure(
+    stack: Gateway, output_tokens: int, concurrency: int, duration_s: float, arm: str = ""
+) -> dict[str, Any]:
+    cpu_before = _front_cpu_s(stack)
     started = time.perf_counter()
     records = asyncio.run(closed_run(stack.url, workload(output_tokens), concurrency, duration_s))
     elapsed = time.perf_counter() - started
-    cpu = (cpu_seconds(pid) - cpu_before) if pid else 0.0
+    cpu = _front_cpu_s(stack) - cpu_before
     summary: dict[str, Any] = dict(summarize(records, elapsed))
     ok = summary["ok"] or 1.0
     summary.update(
         ttfb_ms=[r.ttft * 1000 for r in records if r.status == 200 and r.ttft is not None],
-        arm=stack.arm,
+        arm=arm or stack.arm,
         output_tokens=output_tokens,
         concurrency=concurrency,
         elapsed_s=elapsed,
@@ -148,7 +160,8 @@ def interleaved(
                     f"{label}round {round_index + 1}/{rounds}: {arm}, "
                     f"{tokens}-token responses, {concurrency} clients, {seconds:.0f}s"
                 )
-                raw.append({**measure(stack, tokens, concurrency, seconds), "round": round_index})
+                measured = measure(stack, tokens, concurrency, seconds, arm)
+                raw.append({**measured, "round": round_index})
                 tracker.update(tracker.done + seconds)
     keys = sorted(
         dict.fromkeys((r["arm"], r["output_tokens"], r["concurrency"]) for r in raw),
@@ -168,8 +181,11 @@ def stacks_of(
     stacks: dict[str, Gateway] = {}
     for arm in ARMS:
         tracker.note(f"[overhead] starting the {arm} stack ({profile})")
+        child = arm.endswith("-child")
+        where = workdir / f"{profile}-{arm}"
+        kind = arm.removesuffix("-child")
         stack = exit_stack.enter_context(
-            bench_stack(workdir / f"{profile}-{arm}", bench_policy, arm=arm, profile=profile)
+            bench_stack(where, bench_policy, kind, profile, accounting_process=child)
         )
         measure(stack, 20, 4, 1.0)  # warm up connections and caches
         stacks[arm] = stack
@@ -214,12 +230,13 @@ def run(out: Path, quick: bool, workdir: Path) -> dict[str, Any]:
     )
     for row in saturated:
         print(
-            f"  {row['arm']:9s} {row['rps']:7.1f} req/s  ext_proc CPU "
+            f"  {row['arm']:13s} {row['rps']:7.1f} req/s  ext_proc CPU "
             f"{row['extproc_cpu_us_per_request']:6.0f} us/request"
         )
     floor_rps = next(r["rps"] for r in saturated if r["arm"] == "noop")
-    ours_rps = next(r["rps"] for r in saturated if r["arm"] == "extproc")
-    print(f"  ours / floor = {ours_rps / floor_rps:.2f}x (target >= 0.9)")
+    for arm in ("extproc", "extproc-child"):
+        ours_rps = next(r["rps"] for r in saturated if r["arm"] == arm)
+        print(f"  {arm} / floor = {ours_rps / floor_rps:.2f}x (target >= 0.9)")
     print(f"\nin-process (our handlers alone, {chunks} chunks, hot loop: bench.inprocess):")
     for phase, micros in in_process.items():
         print(f"  {phase:28s} {micros:7.1f} us")
@@ -249,44 +266,44 @@ def _find(runs: list[dict[str, Any]], arm: str, tokens: int, level: int) -> dict
 
 
 def compare(runs: list[dict[str, Any]], levels: tuple[int, ...]) -> dict[str, Any]:
+    """Per level: our two layouts' CPU per request and per chunk against the floor's, and
+    requests/s; `ours` is the in-process layout, `ours_child` the shipped one."""
     summary: dict[str, Any] = {}
     for level in levels:
-        noop_short, ours_short = _find(runs, "noop", 20, level), _find(runs, "extproc", 20, level)
-        noop_long, ours_long = _find(runs, "noop", 500, level), _find(runs, "extproc", 500, level)
+        noop_short, noop_long = _find(runs, "noop", 20, level), _find(runs, "noop", 500, level)
         straight_short = _find(runs, "straight", 20, level)
         floor_req = noop_short["extproc_cpu_us_per_request"]
-        ours_req = ours_short["extproc_cpu_us_per_request"]
-        floor_chunk, ours_chunk = (
-            per_chunk_us(noop_short, noop_long),
-            per_chunk_us(ours_short, ours_long),
-        )
-        summary[f"concurrency_{level}"] = {
-            "cpu_per_request_us": {
-                "floor": floor_req, "ours": ours_req, "ratio": ours_req / floor_req,
-            },
-            "cpu_per_chunk_us": {
-                "floor": floor_chunk, "ours": ours_chunk, "ratio": ours_chunk / floor_chunk,
-            },
-            "rps_20_tokens": {
-                "straight": straight_short["rps"],
-                "floor": noop_short["rps"],
-                "ours": ours_short["rps"],
-                "ours_vs_floor": ours_short["rps"] / noop_short["rps"],
-            },
+        floor_chunk = per_chunk_us(noop_short, noop_long)
+        figures: dict[str, Any] = {
+            "cpu_per_request_us": {"floor": floor_req},
+            "cpu_per_chunk_us": {"floor": floor_chunk},
+            "rps_20_tokens": {"straight": straight_short["rps"], "floor": noop_short["rps"]},
             "ttfb_p50_increase_ms": {
-                "floor": noop_short["ttfb_p50_ms"] - straight_short["ttfb_p50_ms"],
-                "ours": ours_short["ttfb_p50_ms"] - straight_short["ttfb_p50_ms"],
+                "floor": noop_short["ttfb_p50_ms"] - straight_short["ttfb_p50_ms"]
             },
-        }  # fmt: skip
+        }
+        for arm, name in (("extproc", "ours"), ("extproc-child", "ours_child")):
+            short, long_ = _find(runs, arm, 20, level), _find(runs, arm, 500, level)
+            request, chunk = short["extproc_cpu_us_per_request"], per_chunk_us(short, long_)
+            figures["cpu_per_request_us"] |= {name: request, f"{name}_ratio": request / floor_req}
+            figures["cpu_per_chunk_us"] |= {name: chunk, f"{name}_ratio": chunk / floor_chunk}
+            figures["rps_20_tokens"] |= {
+                name: short["rps"],
+                f"{name}_vs_floor": short["rps"] / noop_short["rps"],
+            }
+            figures["ttfb_p50_increase_ms"][name] = (
+                short["ttfb_p50_ms"] - straight_short["ttfb_p50_ms"]
+            )
+        summary[f"concurrency_{level}"] = figures
     return summary
 
 
 def print_table(runs: list[dict[str, Any]], summary: dict[str, Any]) -> None:
-    print(f"\n{'arm':9} {'tokens':>6} {'conc':>4} {'req/s':>8} {'ttfb p50':>9} {'ttfb p99':>9} "
+    print(f"\n{'arm':13} {'tokens':>6} {'conc':>4} {'req/s':>8} {'ttfb p50':>9} {'ttfb p99':>9} "
           f"{'cpu us/req':>10} {'chunks/req':>10}")  # fmt: skip
     for r in runs:
         print(
-            f"{r['arm']:9} {r['output_tokens']:6d} {r['concurrency']:4d} {r['rps']:8.1f} "
+            f"{r['arm']:13} {r['output_tokens']:6d} {r['concurrency']:4d} {r['rps']:8.1f} "
             f"{r['ttfb_p50_ms']:8.1f}ms {r['ttfb_p99_ms']:8.1f}ms "
             f"{r['extproc_cpu_us_per_request']:10.0f} {r['chunks_per_request']:10.1f}"
         )
@@ -296,24 +313,26 @@ def print_table(runs: list[dict[str, Any]], summary: dict[str, Any]) -> None:
             figures["cpu_per_chunk_us"],
             figures["rps_20_tokens"],
         )
-        print(
-            f"\n{level}: CPU/request ours {request['ours']:.0f} us vs floor "
-            f"{request['floor']:.0f} us = {request['ratio']:.2f}x (target <= 1.25)\n"
-            f"  CPU/chunk ours {chunk['ours']:.1f} us vs floor {chunk['floor']:.1f} us "
-            f"= {chunk['ratio']:.2f}x (target <= 1.5)\n"
-            f"  req/s ours {rps['ours']:.0f} vs floor {rps['floor']:.0f} = "
-            f"{rps['ours_vs_floor']:.2f}x (target >= 0.9); straight {rps['straight']:.0f}"
-        )
+        print(f"\n{level}:")
+        for name, label in (("ours", "in process"), ("ours_child", "with the child")):
+            print(
+                f"  {label}: CPU/request {request[name]:.0f} us vs floor {request['floor']:.0f} us"
+                f" = {request[name + '_ratio']:.2f}x (target <= 1.25); CPU/chunk "
+                f"{chunk[name]:.1f} us vs {chunk['floor']:.1f} us = {chunk[name + '_ratio']:.2f}x"
+                f" (target <= 1.5); req/s {rps[name]:.0f} vs {rps['floor']:.0f} = "
+                f"{rps[name + '_vs_floor']:.2f}x (target >= 0.9)"
+            )
+        print(f"  straight {rps['straight']:.0f} req/s")
 
 
 def plot(runs: list[dict[str, Any]], path: Path) -> None:
     plt = pyplot()
     fig, axes = plt.subplots(1, 3, figsize=(14, 4))
     labels = [f"{r['output_tokens']}t c{r['concurrency']}" for r in runs if r["arm"] == "straight"]
-    width = 0.27
+    width = 0.2
     for offset, arm in enumerate(ARMS):
         mine = [r for r in runs if r["arm"] == arm]
-        xs = [i + (offset - 1) * width for i in range(len(mine))]
+        xs = [i + (offset - 1.5) * width for i in range(len(mine))]
         axes[0].bar(xs, [r["rps"] for r in mine], width, label=arm)
         axes[1].bar(xs, [r["ttfb_p50_ms"] for r in mine], width, label=arm)
         axes[2].bar(xs, [r["extproc_cpu_us_per_request"] for r in mine], width, label=arm)
