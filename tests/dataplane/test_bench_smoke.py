@@ -105,14 +105,23 @@ def test_overhead_quick(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> N
     out, data, printed = _run(overhead, tmp_path, capsys)
     _png(out / "overhead.png")
     arms = {run["arm"] for run in data["runs"]}
-    assert arms == {"straight", "noop", "extproc"}
+    assert arms == {"straight", "noop", "extproc", "extproc-child"}
     for run in data["runs"]:
         assert run["ok"] > 0, f"{run['arm']} served no request"
         assert {"rps", "ttfb_p50_ms", "ttfb_p99_ms", "extproc_cpu_us_per_request"} <= set(run)
     [figures] = data["summary"].values()
     assert {"cpu_per_request_us", "cpu_per_chunk_us", "rps_20_tokens"} <= set(figures)
-    assert "CPU/request ours" in printed
-    assert {row["arm"] for row in data["gateway_bound"]} == {"straight", "noop", "extproc"}
+    # Both layouts against the floor; the child's CPU counts both of its processes.
+    assert {"ours_ratio", "ours_child_ratio"} <= set(figures["cpu_per_request_us"])
+    child = next(r for r in data["runs"] if r["arm"] == "extproc-child")
+    assert child["extproc_cpu_us_per_request"] > 0
+    assert "in process: CPU/request" in printed and "with the child: CPU/request" in printed
+    assert {row["arm"] for row in data["gateway_bound"]} == {
+        "straight",
+        "noop",
+        "extproc",
+        "extproc-child",
+    }
     assert all(row["ok"] > 0 for row in data["gateway_bound"])
     assert "gateway-bound throughput" in printed
     in_process = data["in_process_us"]
