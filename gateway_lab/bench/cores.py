@@ -65,6 +65,16 @@ def descendants(pid: int, stop_at: Collection[int] = ()) -> list[int]:
     return out
 
 
+def tree_cpu_seconds(pid: int) -> float:
+    """CPU seconds of `pid` and every process below it (workers, an accounting child); a
+    process that is gone by then counts 0."""
+    total = 0.0
+    for process in (pid, *descendants(pid)):
+        with contextlib.suppress(FileNotFoundError, ProcessLookupError, IndexError):
+            total += cpu_seconds(process)
+    return total
+
+
 def group_cpu(pids: dict[str, int]) -> dict[str, float]:
     """CPU seconds of each named process with its descendants (workers), except those named
     themselves: the load generator's are the stacks it started, counted under their names."""

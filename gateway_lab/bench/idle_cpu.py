@@ -26,9 +26,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from gateway_lab.bench.cores import descendants
+from gateway_lab.bench.cores import tree_cpu_seconds
 from gateway_lab.bench.revisions import tree_of_rev
-from gateway_lab.bench.stack import cpu_seconds, free_port
+from gateway_lab.bench.stack import free_port
 from gateway_lab.processes import http_ok
 
 SCENARIO = "idle-cpu"
@@ -103,11 +103,6 @@ def _wait_ready(arms: list[Arm]) -> None:
             time.sleep(0.1)
 
 
-def _tree_cpu_s(pid: int) -> float:
-    """CPU seconds of a service and its accounting child (its only descendant)."""
-    return sum(cpu_seconds(process) for process in (pid, *descendants(pid)))
-
-
 def measure(arms: list[Arm], seconds: float, workdir: Path) -> dict[str, dict[str, float]]:
     """Each arm's CPU seconds at the start and the end of one window (all arms at once), the
     window's length, and CPU milliseconds per second over it."""
@@ -117,11 +112,11 @@ def measure(arms: list[Arm], seconds: float, workdir: Path) -> dict[str, dict[st
         _wait_ready(arms)
         time.sleep(2.0)  # past start-up (the first reload check, the first engine poll)
         pids = {arm.name: arm.process.pid for arm in arms if arm.process is not None}
-        began = {name: _tree_cpu_s(pid) for name, pid in pids.items()}
+        began = {name: tree_cpu_seconds(pid) for name, pid in pids.items()}
         start = time.monotonic()
         time.sleep(seconds)
         elapsed = time.monotonic() - start
-        ended = {name: _tree_cpu_s(pid) for name, pid in pids.items()}
+        ended = {name: tree_cpu_seconds(pid) for name, pid in pids.items()}
     return {
         name: {
             "cpu_s_start": began[name],

@@ -51,12 +51,12 @@ import orjson
 from extproc.envoy_routes import ACCOUNTING_FILTER, ADMISSION_FILTER
 from extproc.policy import hash_key
 from gateway_lab.bench import phases, scenario
-from gateway_lab.bench.cores import CoreSplit, descendants, pin, split_cores
+from gateway_lab.bench.cores import CoreSplit, descendants, pin, split_cores, tree_cpu_seconds
 from gateway_lab.bench.figures import pyplot, save_figure
 from gateway_lab.bench.loadgen import Load, open_loop
 from gateway_lab.bench.monitor import log, wait_engines_idle
 from gateway_lab.bench.records import Meter, Record, Spec, percentile
-from gateway_lab.bench.stack import PROFILE, Gateway, cpu_seconds, engine_set, gateway_stack
+from gateway_lab.bench.stack import PROFILE, Gateway, engine_set, gateway_stack
 
 NAME = "low-load"
 DEFAULT_OUT = Path("results/low-load")
@@ -198,13 +198,7 @@ def front(arm: str, workdir: Path, endpoint: str, before_src: Path | None) -> It
 def front_cpu(gateway: Gateway) -> float:
     """CPU seconds of the ext_proc process (and its workers); 0 without one."""
     pid = gateway.pid_of("extproc")
-    if pid is None:
-        return 0.0
-    total = 0.0
-    for process in (pid, *descendants(pid)):
-        with contextlib.suppress(FileNotFoundError, ProcessLookupError, IndexError):
-            total += cpu_seconds(process)
-    return total
+    return 0.0 if pid is None else tree_cpu_seconds(pid)
 
 
 async def drive(gateway: Gateway, settings: Settings, seed: int) -> tuple[list[Record], float]:

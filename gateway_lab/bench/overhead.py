@@ -19,11 +19,11 @@ from pathlib import Path
 from typing import Any
 
 from extproc.policy import hash_key
-from gateway_lab.bench.cores import descendants
+from gateway_lab.bench.cores import tree_cpu_seconds
 from gateway_lab.bench.figures import pyplot, save_figure
 from gateway_lab.bench.loadgen import Load, closed_loop, summarize
 from gateway_lab.bench.records import Meter, Record, Spec, percentile
-from gateway_lab.bench.stack import Gateway, bench_stack, cpu_seconds
+from gateway_lab.bench.stack import Gateway, bench_stack
 from gateway_lab.engine.tokens import chat_prompt_tokens
 from gateway_lab.progress import Progress
 
@@ -76,9 +76,7 @@ async def closed_run(
 def _front_cpu_s(stack: Gateway) -> float:
     """CPU seconds of the ext_proc server and its accounting child, if any; 0 without one."""
     pid = stack.pid_of("extproc")
-    if pid is None:
-        return 0.0
-    return sum(cpu_seconds(process) for process in (pid, *descendants(pid)))
+    return 0.0 if pid is None else tree_cpu_seconds(pid)
 
 
 def measure(
