@@ -123,7 +123,8 @@ def _objectives(delta: LatencyDelta) -> str:
         ("every_token", delta.every_token),
         ("token_gap", delta.token_gap),
     )
-    return ", ".join(f"{kind} {value * 1000:g} ms" for kind, value in kinds if value is not None)
+    watched = ", ".join(f"{kind} {value * 1000:g} ms" for kind, value in kinds if value is not None)
+    return watched if delta.quantile is None else f"{watched} at P{delta.quantile * 100:g}"
 
 
 def _locality_line(pool: Pool) -> str:

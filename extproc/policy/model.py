@@ -96,6 +96,11 @@ class LatencyDelta(StrictModel):
     alone accumulates lag token after token."""
     token_gap: PositiveDuration | None = None
     """Each gap between tokens: the gap per token minus the alone step."""
+    quantile: Annotated[float, Field(ge=0.5, le=0.999)] | None = None
+    """The share of samples the objectives bound (0.99: the P99 of each watched kind). Set,
+    the controller tracks that quantile: each sample above its objective cuts, each one at or
+    below it opens, in the ratio that balances at this share. Omitted: cut on a sample above
+    the objective, open on slack below half of it, which settles near the median."""
 
     @model_validator(mode="after")
     def _something_watched(self) -> LatencyDelta:

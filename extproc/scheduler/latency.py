@@ -21,9 +21,13 @@ request's submit, so the simulator drives the same code.
   extproc/policy/model.py): the TTFT δ against `first_token`, the k-th token's lag against
   `every_token`, each gap's δ against `token_gap`. A sample above its objective cuts f by
   `DECREASE` (at most once per `COOLDOWN_S`); one below half its objective raises it by
-  `INCREASE_PER_S` per second of such slack (AIMD). Light tenants are never held back by
-  it; the engines' own waiting queue stays with the adaptive limit
-  (extproc/scheduler/adaptive.py), which the factor only lowers.
+  `INCREASE_PER_S` per second of such slack (AIMD), which settles where roughly a third of
+  the samples exceed the objective. With the tier's `quantile` q set, the controller tracks
+  that quantile instead (stochastic approximation on ln f): every sample above its objective
+  lowers ln f by `QUANTILE_STEP` x q, every other one raises it by `QUANTILE_STEP` x (1 - q),
+  so f stops moving on average only where a share 1 - q of the samples exceed the objective.
+  Light tenants are never held back by it; the engines' own waiting queue stays with the
+  adaptive limit (extproc/scheduler/adaptive.py), which the factor only lowers.
 """
 
 from __future__ import annotations
@@ -51,6 +55,12 @@ COOLDOWN_S = 0.5
 INCREASE_PER_S = 0.2
 MAX_INCREASE_STEP_S = 0.5
 """A longer quiet spell raises the factor as if it lasted this long (no jump after idle)."""
+QUANTILE_STEP = 0.05
+"""The quantile rule's step on ln f: at q = 0.99 a sample above the objective cuts f by ~5%
+and one below raises it by ~0.05%. The time to settle is counted in samples (a few times
+1 / (1 - q)), so a P99 objective needs a kind of token that comes often (`token_gap`,
+`every_token`): a tenant's first tokens alone, at one request per second, take minutes."""
+_LOG_MIN_FACTOR = math.log(MIN_FACTOR)
 
 
 class _Fit:
@@ -166,11 +176,15 @@ class DeltaController:
         self._decreased_at = -math.inf
         self._updated_at: float | None = None
 
-    def observe(self, lag_s: float, objective_s: float, now: float) -> None:
+    def observe(
+        self, lag_s: float, objective_s: float, now: float, quantile: float | None = None
+    ) -> None:
         """A light tenant's token arrived `lag_s` later than alone; its tier wants at most
-        `objective_s`."""
+        `objective_s` (for a share `quantile` of the samples, when set)."""
         last, self._updated_at = self._updated_at, now
-        if lag_s > objective_s:
+        if quantile is not None:
+            self._track_quantile(lag_s > objective_s, quantile)
+        elif lag_s > objective_s:
             self.violations += 1
             if now - self._decreased_at >= COOLDOWN_S:
                 self.factor = max(MIN_FACTOR, self.factor * DECREASE)
@@ -178,6 +192,15 @@ class DeltaController:
         elif lag_s < objective_s / 2 and last is not None:
             step = min(MAX_INCREASE_STEP_S, max(0.0, now - last))
             self.factor = min(1.0, self.factor + INCREASE_PER_S * step)
+
+    def _track_quantile(self, violated: bool, quantile: float) -> None:
+        if violated:
+            self.violations += 1
+            log_factor = math.log(self.factor) - QUANTILE_STEP * quantile
+            self.factor = math.exp(max(_LOG_MIN_FACTOR, log_factor))
+        elif self.factor < 1.0:
+            log_factor = math.log(self.factor) + QUANTILE_STEP * (1.0 - quantile)
+            self.factor = min(1.0, math.exp(log_factor))
 
     def limit(self, full: int) -> int:
         """`full` scaled by the factor, at least 1 (one backlogged request can always go)."""

@@ -117,7 +117,7 @@ class Leases:
             self._live.delta_of(held.lease.tenant).ttft.add(lag, now)
             objective = self._objective(held)
             if objective is not None:
-                self._steer(pool, lag, objective.first_token, now)
+                self._steer(pool, lag, objective, objective.first_token, now)
         if held.alone_sample:
             pool.alone.observe_ttft(prompt, ttft)
 
@@ -144,11 +144,11 @@ class Leases:
         objective = self._objective(held)
         if objective is None:
             return
-        self._steer(pool, gap - step, objective.token_gap, now)
+        self._steer(pool, gap - step, objective, objective.token_gap, now)
         first = alone.ttft(held.ticket.input_tokens)
         if first is not None and objective.every_token is not None:
             lag = now - self._submitted_at(held) - (first + (held.output_seen - 1) * step)
-            self._steer(pool, lag, objective.every_token, now)
+            self._steer(pool, lag, objective, objective.every_token, now)
 
     def _objective(self, held: LeaseState) -> LatencyDelta | None:
         """The δ objectives of a light tenant's tier (a backlogged tenant's lag steers
@@ -159,11 +159,13 @@ class Leases:
         return None if options is None else options.latency_delta
 
     @staticmethod
-    def _steer(pool: PoolState, lag: float, objective: float | None, now: float) -> None:
-        """A light tenant's lag drives the pool's δ controller, against one of its tier's
-        objectives (None: that kind of token is not watched)."""
-        if objective is not None:
-            pool.delta.observe(lag, objective, now)
+    def _steer(
+        pool: PoolState, lag: float, objectives: LatencyDelta, bound: float | None, now: float
+    ) -> None:
+        """A light tenant's lag drives the pool's δ controller, against `bound`, one of its
+        tier's `objectives` (None: that kind of token is not watched)."""
+        if bound is not None:
+            pool.delta.observe(lag, bound, now, objectives.quantile)
 
     def charge_output(self, held: LeaseState, tokens: int, now: float) -> None:
         if tokens <= 0:

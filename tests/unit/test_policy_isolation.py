@@ -75,3 +75,7 @@ def test_policy_check_explains_the_isolation_settings() -> None:
     assert describe_isolation(policy_from_text(_text(keys, options)).source)[1].startswith(
         "tier standard: latency_delta token_gap 20 ms: a light tenant's lag"
     )
+    options = "tier_options: {standard: {latency_delta: {token_gap: 20ms, quantile: 0.99}}}\n"
+    assert describe_isolation(policy_from_text(_text(keys, options)).source)[1].startswith(
+        "tier standard: latency_delta token_gap 20 ms at P99: a light tenant's lag"
+    )

@@ -3,12 +3,21 @@ controller that a tier's latency_delta drives."""
 
 from __future__ import annotations
 
+import math
+import random
+
 import pytest
 
 from extproc.metrics import Metrics
 from extproc.policy import PolicyError, policy_from_text
 from extproc.scheduler import Admission, ManualClock, Scheduler, Ticket
-from extproc.scheduler.latency import COOLDOWN_S, DECREASE, MIN_FACTOR, DeltaController
+from extproc.scheduler.latency import (
+    COOLDOWN_S,
+    DECREASE,
+    MIN_FACTOR,
+    QUANTILE_STEP,
+    DeltaController,
+)
 
 
 def _scheduler(objective: str = "100ms") -> tuple[Scheduler, ManualClock]:
@@ -249,6 +258,10 @@ DELTA = "tier_options.standard.latency_delta"
         ("{first_token: 0s}", f"{DELTA}.first_token", "greater"),
         ("{token_gap: soon}", f"{DELTA}.token_gap", "invalid"),
         ("{ttft: 100ms}", f"{DELTA}.ttft", "unknown key"),
+        ("{quantile: 0.99}", DELTA, "set at least one of first_token"),
+        ("{token_gap: 20ms, quantile: 1.0}", f"{DELTA}.quantile", "less than or equal"),
+        ("{token_gap: 20ms, quantile: 0.3}", f"{DELTA}.quantile", "greater than or equal"),
+        ("{token_gap: 20ms, quantile: high}", f"{DELTA}.quantile", "valid number"),
     ],
 )
 def test_latency_delta_is_strict_with_file_line(value: str, field: str, message: str) -> None:
@@ -265,3 +278,53 @@ pools:
         policy_from_text(text, "p.yaml")
     issues = [str(issue) for issue in caught.value.issues]
     assert any(i.startswith(f"p.yaml:4: {field}:") and message in i for i in issues), issues
+
+
+def test_the_quantile_rule_cuts_and_opens_in_the_ratio_of_its_quantile() -> None:
+    """At q = 0.9 one sample above the objective costs what nine below it give back, with no
+    cooldown and no dead band; f stays within [MIN_FACTOR, 1]."""
+    control = DeltaController()
+    control.observe(0.2, 0.1, 1.0, quantile=0.9)
+    control.observe(0.2, 0.1, 1.0, quantile=0.9)  # no cooldown: both count
+    assert control.factor == pytest.approx(math.exp(-2 * 0.9 * QUANTILE_STEP))
+    assert control.violations == 2
+    for _ in range(18):
+        control.observe(0.09, 0.1, 1.0, quantile=0.9)  # just below: no dead band
+    assert control.factor == pytest.approx(1.0)
+    control.observe(0.01, 0.1, 2.0, quantile=0.9)
+    assert control.factor == 1.0
+    for _ in range(1000):
+        control.observe(1.0, 0.1, 3.0, quantile=0.9)
+    assert control.factor == pytest.approx(MIN_FACTOR)
+
+
+def _violating_share(quantile: float | None, shape: float, samples: int) -> float:
+    """Feed the controller one sample per second whose chance of exceeding the objective is
+    f ** shape (more of the pool to the backlogged tenants, more late tokens); the share of
+    the second half's samples above the objective."""
+    control, chance = DeltaController(), random.Random(15)
+    late = 0
+    for i in range(samples):
+        violated = chance.random() < control.factor**shape
+        control.observe(0.2 if violated else 0.01, 0.1, float(i), quantile)
+        if i >= samples // 2:
+            late += violated
+    return late / (samples - samples // 2)
+
+
+@pytest.mark.parametrize("shape", [2.0, 3.0])
+def test_the_quantile_rule_settles_where_one_minus_q_of_the_samples_exceed(shape: float) -> None:
+    """What a P90 or P99 objective means: the long-run share of samples above it. The AIMD rule
+    (no quantile) settles far above either."""
+    assert _violating_share(0.9, shape, 40_000) == pytest.approx(0.10, abs=0.02)
+    assert _violating_share(0.99, shape, 40_000) == pytest.approx(0.01, abs=0.004)
+    assert _violating_share(None, shape, 40_000) > 0.25
+
+
+def test_a_tiers_quantile_reaches_the_pools_controller() -> None:
+    """Three gaps of 200 ms per token against 20 ms alone, at P90: three cuts of the quantile
+    rule, none held back by a cooldown."""
+    sched, clock = _scheduler("{token_gap: 50ms, quantile: 0.9}")
+    state = _quiet_beside_a_flood(sched, clock, ttft=0.05, gap=0.2)
+    assert state["violations"] == 3
+    assert state["factor"] == pytest.approx(math.exp(-3 * 0.9 * QUANTILE_STEP))
