@@ -30,7 +30,10 @@ FIFO they queue inside the engine). One emulated A100 / Llama-3.1-8B engine
   tokens;
 * first-D: `paced` with the first-token objective `latency_delta: {first_token: D}`
   (`--first-token-deltas`): as delta-D, but only the quiet tenant's time to first token
-  steers.
+  steers;
+* tail-D: `paced` with `latency_delta: {every_token: D, quantile: Q}` (`--tail-deltas`,
+  `--tail-quantile`, default 0.99): the controller bounds the share of the quiet tenant's
+  tokens later than D to 1 - Q instead of acting on a typical one.
 
 For each arm: the quiet tenant's P50/P99 time to the first streamed SSE data chunk and their
 ratio to "alone" on the same path, the P99 of every inter-token gap of its responses (gap99)
@@ -304,7 +307,7 @@ def run(
 ) -> dict[str, Any]:
     planned = plan_arms(
         timing, sweep, headroom, isolation.budget, isolation.deltas, isolation.first_deltas,
-        isolation.step_tokens,
+        isolation.step_tokens, isolation.tail_deltas, isolation.tail_quantile,
     )  # fmt: skip
     arms = isolation.select(planned)
 

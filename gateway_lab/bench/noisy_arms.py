@@ -115,6 +115,18 @@ def first_token_arm(
     )  # fmt: skip
 
 
+def tail_arm(
+    objective: str, quantile: float, warmup_s: float, capacity: CapacityConfig, prefill_budget: int
+) -> Arm:
+    """`tail-D`: paced, with every token's lag bounded at a quantile (the P99 by default), not
+    the AIMD rule's typical sample."""
+    return Arm(
+        f"tail-{objective}", "service", True, warmup_s, "delta", 512, capacity,
+        prefill_budget=prefill_budget,
+        latency_delta=f"{{every_token: {objective}, quantile: {quantile:g}}}",
+    )  # fmt: skip
+
+
 def plan_arms(
     timing: Timing,
     sweep: list[int],
@@ -123,6 +135,8 @@ def plan_arms(
     deltas: tuple[str, ...] = ("100ms", "300ms"),
     first_deltas: tuple[str, ...] = (),
     step_tokens: tuple[int, ...] = (),
+    tail_deltas: tuple[str, ...] = (),
+    tail_quantile: float = 0.99,
 ) -> list[Arm]:
     full = adaptive_capacity(headroom)
     warm = timing.warmup_full_s
@@ -149,6 +163,7 @@ def plan_arms(
             for d in deltas
         ),
         *(first_token_arm(d, warm, full, prefill_budget) for d in first_deltas),
+        *(tail_arm(d, tail_quantile, warm, full, prefill_budget) for d in tail_deltas),
         *(
             Arm(f"step-{n}", "service", True, warm, "full", 512, full, step_tokens=n)
             for n in step_tokens

@@ -40,6 +40,9 @@ class Isolation:
     deltas: tuple[str, ...] = ("100ms", "300ms")
     first_deltas: tuple[str, ...] = ("50ms", "150ms")
     """First-token objectives of the first-D arms."""
+    tail_deltas: tuple[str, ...] = ("100ms",)
+    """Every-token objectives of the tail-D arms, bounded at `tail_quantile`."""
+    tail_quantile: float = 0.99
     step_tokens: tuple[int, ...] = (512,)
     """--max-num-batched-tokens of the step-N arms' own engines."""
     arms: tuple[str, ...] = ()
@@ -54,6 +57,8 @@ class Isolation:
             budget=args.prefill_budget,
             deltas=_listed(args.deltas),
             first_deltas=_listed(args.first_token_deltas),
+            tail_deltas=_listed(args.tail_deltas),
+            tail_quantile=args.tail_quantile,
             step_tokens=tuple(int(n) for n in _listed(args.step_tokens)),
             arms=_listed(args.arms or ""),
             prefill_threshold=args.engine_prefill_threshold,
@@ -102,6 +107,14 @@ def add_isolation_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--first-token-deltas", default=",".join(default.first_deltas),
         help="first-token objectives of the first-D arms (default %(default)s)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--tail-deltas", default=",".join(default.tail_deltas),
+        help="every-token objectives of the tail-D arms (default %(default)s)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--tail-quantile", type=float, default=default.tail_quantile,
+        help="the quantile the tail-D arms' objective bounds (default %(default)s)",
     )  # fmt: skip
     parser.add_argument(
         "--engine-prefill-threshold", type=int, default=default.prefill_threshold,

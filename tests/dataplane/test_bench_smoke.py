@@ -59,7 +59,8 @@ def test_noisy_neighbour_quick(tmp_path: Path, capsys: pytest.CaptureFixture[str
     assert {"full-nopri", "paced", "delta-100ms", "delta-300ms"} <= set(arms)
     assert arms["full-nopri"]["engine_priority"] is False and arms["full"]["engine_priority"]
     assert arms["delta-100ms"]["latency_delta"] == "100ms"
-    assert set(summary["isolation_target"]) >= {"full", "paced", "delta-100ms"}
+    assert arms["tail-100ms"]["latency_delta"] == "{every_token: 100ms, quantile: 0.99}"
+    assert set(summary["isolation_target"]) >= {"full", "paced", "delta-100ms", "tail-100ms"}
     assert all("tpot_p99_ratio" in row for row in summary["rows"].values())
     # every inter-token gap of the quiet tenant's responses, beside the per-response TPOT
     assert all("gap_p99_ratio" in row for row in summary["rows"].values())

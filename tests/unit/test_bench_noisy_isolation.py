@@ -58,6 +58,21 @@ def test_first_token_arms_watch_only_the_first_token_and_pace_as_delta_arms() ->
     assert first.pools["main"].engine_priority is True
 
 
+def test_tail_arms_bound_every_token_at_a_quantile() -> None:
+    isolation = Isolation.from_args(_parsed("--tail-deltas", "80ms", "--tail-quantile", "0.95"))
+    arms = {
+        a.name: a
+        for a in plan_arms(
+            Timing(), [], 8, 1024, (), (), (), isolation.tail_deltas, isolation.tail_quantile
+        )
+    }
+    tail = policy_from_text(policy_text("127.0.0.1:1", arms["tail-80ms"]))
+    assert tail.source.tier_options["standard"].latency_delta == LatencyDelta(
+        every_token=0.08, quantile=0.95
+    )
+    assert tail.pools["main"].effective_prefill_budget == 1024
+
+
 def test_selection_engine_flags_and_warmup() -> None:
     arms = plan_arms(Timing(), [], 8)
     chosen = Isolation(arms=("fifo", "full")).select(arms)
