@@ -106,10 +106,9 @@ class Arm:
     False: on the admission process's event loop (`-inproc` arms, the layout before)."""
     source: Path | None = None
     """Run the service from this source tree (PYTHONPATH): the `-before` arms' revision."""
-    first_token_delta: str | None = None
-    """The tier's δ objective on the first token (`latency_delta: {first_token: D}`); the
-    arm first sends a few quiet requests one at a time, so the gateway learns the alone
-    TTFT."""
+    latency_delta: str | None = None
+    """The tier's δ objective (`latency_delta`, YAML flow text); the arm first sends a few
+    quiet requests one at a time, so the gateway learns the alone TTFT."""
 
 
 ARMS = (
@@ -151,15 +150,24 @@ class CompletionSpec(Spec):
 
 DEFAULT_FIRST_TOKEN_DELTAS = ("10ms", "30ms")
 """The first-token objectives of the `room-first-D` arms (`--first-token-deltas`)."""
+DEFAULT_TAIL_DELTAS = ("20ms",)
+"""The every-token objectives of the `room-tail-D` arms (`--tail-deltas`)."""
 
 
-def delta_arms(deltas: Sequence[str]) -> tuple[Arm, ...]:
+def delta_arms(
+    deltas: Sequence[str], tail_deltas: Sequence[str] = (), tail_quantile: float = 0.99
+) -> tuple[Arm, ...]:
     """`room-first-D`: the room load, our policy with a first-token objective D (issue 15's
-    target on kvwarden's workload); `over-first-D`, the same above the engine's capacity."""
+    target on kvwarden's workload); `room-tail-D`: every token's lag at most D for a share
+    `tail_quantile` of them; `over-...`, the same above the engine's capacity."""
+    objectives = [
+        *((f"first-{d}", f"{{first_token: {d}}}") for d in deltas),
+        *((f"tail-{d}", f"{{every_token: {d}, quantile: {tail_quantile:g}}}") for d in tail_deltas),
+    ]
     return tuple(
-        Arm(f"{load}-first-{d}", "service", load, first_token_delta=d)
+        Arm(f"{load}-{name}", "service", load, latency_delta=objective)
         for load in ("room", "over")
-        for d in deltas
+        for name, objective in objectives
     )
 
 
@@ -171,13 +179,11 @@ def before_arms(source: Path) -> tuple[Arm, ...]:
     )
 
 
-def policy_text(endpoint: str, first_token_delta: str | None = None) -> str:
+def policy_text(endpoint: str, latency_delta: str | None = None) -> str:
     """Our full policy: the defaults (DRR, headroom, adaptive soft limit, overload shedding),
-    and a first-token δ objective if given."""
+    and a δ objective if given."""
     objective = (
-        f"tier_options: {{standard: {{latency_delta: {{first_token: {first_token_delta}}}}}}}\n"
-        if first_token_delta
-        else ""
+        f"tier_options: {{standard: {{latency_delta: {latency_delta}}}}}\n" if latency_delta else ""
     )
     return f"""\
 version: 1
@@ -220,7 +226,7 @@ def front(arm: Arm, workdir: Path, endpoint: str, kvwarden_venv: Path) -> Iterat
     env = None if arm.source is None else {**os.environ, "PYTHONPATH": str(arm.source)}
     with gateway_stack(
         workdir / arm.name,
-        policy_text(endpoint, arm.first_token_delta),
+        policy_text(endpoint, arm.latency_delta),
         FRONTS[arm.front],
         bootstrap_edit=edit,
         accounting_process=arm.accounting_process,
@@ -263,7 +269,7 @@ async def drive(
 
     async with Load(url, meter, request_timeout_s=timing.measure_s + 60.0) as load:
         quiet = maker("quiet", work.quiet_output, work, seed, arm.include_usage)
-        if arm.first_token_delta is not None:
+        if arm.latency_delta is not None:
             await prime_alone(load, quiet)
         began = load.now()  # the load starts after the priming requests
         end = began + timing.warmup_s + timing.measure_s
@@ -521,12 +527,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     scenario.add_scenario_arguments(parser, DEFAULT_OUT, "measured seconds per arm")
     parser.add_argument(
         "--arms",
-        help=f"comma-separated subset of {[a.name for a in ARMS]} and room-first-D and "
-        "over-first-D for each D of --first-token-deltas",
+        help=f"comma-separated subset of {[a.name for a in ARMS]}, room-first-D and "
+        "over-first-D for each D of --first-token-deltas, room-tail-D and over-tail-D for "
+        "each D of --tail-deltas",
     )
     parser.add_argument(
         "--first-token-deltas", default=",".join(DEFAULT_FIRST_TOKEN_DELTAS),
         help="first-token objectives of the room-first-D arms (default %(default)s)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--tail-deltas", default=",".join(DEFAULT_TAIL_DELTAS),
+        help="every-token objectives of the room-tail-D arms (default %(default)s)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--tail-quantile", type=float, default=0.99,
+        help="the quantile the tail-D arms' objective bounds (default %(default)s)",
     )  # fmt: skip
     parser.add_argument(
         "--before", metavar="REV",
@@ -555,7 +570,8 @@ def main(args: argparse.Namespace) -> int:
     if args.over_rate:
         work = replace(work, over_rate=args.over_rate)
     deltas = [d.strip() for d in args.first_token_deltas.split(",") if d.strip()]
-    every = (*ARMS, *delta_arms(deltas))
+    tails = [d.strip() for d in args.tail_deltas.split(",") if d.strip()]
+    every = (*ARMS, *delta_arms(deltas, tails, args.tail_quantile))
     if args.before:
         source = revisions.tree_of_rev(args.before, scenario.workdir_of(args) / "before-src")
         every = (*every, *before_arms(source))

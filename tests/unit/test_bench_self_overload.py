@@ -18,6 +18,7 @@ from ruamel.yaml import YAML
 
 from extproc.envoy_config import RenderOptions, render_bootstrap
 from extproc.policy import policy_from_text
+from extproc.policy.model import LatencyDelta
 from gateway_lab.bench import phases
 from gateway_lab.bench.cores import descendants, group_cpu, pin, split_cores
 from gateway_lab.bench.kvwarden_front import Bucket, config_text
@@ -163,15 +164,18 @@ def test_kvwarden_workload_target_needs_the_tail_and_twice_the_peers_flooder_tok
     assert mine == {"room-full": False, "room-first-10ms": True, "room-first-30ms": False}
 
 
-def test_delta_arms_write_a_first_token_objective_and_prime_the_alone_model() -> None:
-    arm, over = delta_arms(["25ms"])
+def test_delta_arms_write_their_objective() -> None:
+    arm, tail, over, over_tail = delta_arms(["25ms"], ["15ms"], 0.95)
     assert arm.name == "room-first-25ms" and arm.load == "room" and arm.front == "service"
     assert over.name == "over-first-25ms" and over.load == "over"
-    assert over.first_token_delta == arm.first_token_delta
-    policy = policy_from_text(policy_text("127.0.0.1:1", arm.first_token_delta))
+    assert over.latency_delta == arm.latency_delta
+    policy = policy_from_text(policy_text("127.0.0.1:1", arm.latency_delta))
     delta = policy.source.tier_options["standard"].latency_delta
-    assert delta is not None
-    assert (delta.first_token, delta.every_token, delta.token_gap) == (0.025, None, None)
+    assert delta == LatencyDelta(first_token=0.025)
+    assert (tail.name, over_tail.name) == ("room-tail-15ms", "over-tail-15ms")
+    policy = policy_from_text(policy_text("127.0.0.1:1", tail.latency_delta))
+    delta = policy.source.tier_options["standard"].latency_delta
+    assert delta == LatencyDelta(every_token=0.015, quantile=0.95)
     assert policy_from_text(policy_text("127.0.0.1:1")).source.tier_options == {}
 
 
