@@ -23,9 +23,12 @@ request's submit, so the simulator drives the same code.
   `DECREASE` (at most once per `COOLDOWN_S`); one below half its objective raises it by
   `INCREASE_PER_S` per second of such slack (AIMD), which settles where roughly a third of
   the samples exceed the objective. With the tier's `quantile` q set, the controller tracks
-  that quantile instead (stochastic approximation on ln f): every sample above its objective
-  lowers ln f by `QUANTILE_STEP` x q, every other one raises it by `QUANTILE_STEP` x (1 - q),
-  so f stops moving on average only where a share 1 - q of the samples exceed the objective.
+  that quantile instead (stochastic approximation on ln f): the samples are taken in windows
+  of `COOLDOWN_S`, and each window moves ln f by `QUANTILE_GAIN` x ((1 - q) - v), v being
+  the share of its samples above their objective. So f stops moving on average only where a
+  share 1 - q of the samples exceed the objective; one window, however many of its samples
+  a slow engine step made late together, moves f once (the engines answer a cut only after
+  the work in flight drains).
   Light tenants are never held back by it; the engines' own waiting queue stays with the
   adaptive limit (extproc/scheduler/adaptive.py), which the factor only lowers.
 """
@@ -55,11 +58,11 @@ COOLDOWN_S = 0.5
 INCREASE_PER_S = 0.2
 MAX_INCREASE_STEP_S = 0.5
 """A longer quiet spell raises the factor as if it lasted this long (no jump after idle)."""
-QUANTILE_STEP = 0.05
-"""The quantile rule's step on ln f: at q = 0.99 a sample above the objective cuts f by ~5%
-and one below raises it by ~0.05%. The time to settle is counted in samples (a few times
-1 / (1 - q)), so a P99 objective needs a kind of token that comes often (`token_gap`,
-`every_token`): a tenant's first tokens alone, at one request per second, take minutes."""
+QUANTILE_GAIN = 0.5
+"""The quantile rule's gain on ln f per window: at q = 0.99 a window of late samples cuts f
+by ~40% and a window without one raises it by ~0.5% (1% a second). The time to settle is
+a few times 1 / (1 - q) windows with samples: at q = 0.99 minutes, and with a kind of token
+that comes rarely (`first_token` at one request a second) the windows are mostly empty."""
 _LOG_MIN_FACTOR = math.log(MIN_FACTOR)
 
 
@@ -168,13 +171,25 @@ class TenantDelta:
 class DeltaController:
     """The backlogged tenants' factor of one pool (see the module docstring)."""
 
-    __slots__ = ("_decreased_at", "_updated_at", "factor", "violations")
+    __slots__ = (
+        "_decreased_at",
+        "_updated_at",
+        "_window_excess",
+        "_window_samples",
+        "_window_start",
+        "factor",
+        "violations",
+    )
 
     def __init__(self) -> None:
         self.factor = 1.0
         self.violations = 0
         self._decreased_at = -math.inf
         self._updated_at: float | None = None
+        self._window_start = -math.inf
+        self._window_samples = 0
+        self._window_excess = 0.0
+        """The sum over the window's samples of (1 if late else 0) - (1 - q)."""
 
     def observe(
         self, lag_s: float, objective_s: float, now: float, quantile: float | None = None
@@ -183,7 +198,7 @@ class DeltaController:
         `objective_s` (for a share `quantile` of the samples, when set)."""
         last, self._updated_at = self._updated_at, now
         if quantile is not None:
-            self._track_quantile(lag_s > objective_s, quantile)
+            self._track_quantile(lag_s > objective_s, quantile, now)
         elif lag_s > objective_s:
             self.violations += 1
             if now - self._decreased_at >= COOLDOWN_S:
@@ -193,14 +208,22 @@ class DeltaController:
             step = min(MAX_INCREASE_STEP_S, max(0.0, now - last))
             self.factor = min(1.0, self.factor + INCREASE_PER_S * step)
 
-    def _track_quantile(self, violated: bool, quantile: float) -> None:
-        if violated:
-            self.violations += 1
-            log_factor = math.log(self.factor) - QUANTILE_STEP * quantile
-            self.factor = math.exp(max(_LOG_MIN_FACTOR, log_factor))
-        elif self.factor < 1.0:
-            log_factor = math.log(self.factor) + QUANTILE_STEP * (1.0 - quantile)
-            self.factor = min(1.0, math.exp(log_factor))
+    def _track_quantile(self, violated: bool, quantile: float, now: float) -> None:
+        if now - self._window_start >= COOLDOWN_S:
+            self._close_window()
+            self._window_start = now
+        self.violations += violated
+        self._window_samples += 1
+        self._window_excess += violated - (1.0 - quantile)
+
+    def _close_window(self) -> None:
+        if self._window_samples == 0:
+            return
+        share = self._window_excess / self._window_samples
+        log_factor = math.log(self.factor) - QUANTILE_GAIN * share
+        self.factor = math.exp(min(0.0, max(_LOG_MIN_FACTOR, log_factor)))
+        self._window_samples = 0
+        self._window_excess = 0.0
 
     def limit(self, full: int) -> int:
         """`full` scaled by the factor, at least 1 (one backlogged request can always go)."""

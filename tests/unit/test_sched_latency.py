@@ -15,7 +15,7 @@ from extproc.scheduler.latency import (
     COOLDOWN_S,
     DECREASE,
     MIN_FACTOR,
-    QUANTILE_STEP,
+    QUANTILE_GAIN,
     DeltaController,
 )
 
@@ -187,9 +187,9 @@ def _learn_alone_step(sched: Scheduler, clock: ManualClock, step: float = 0.02) 
 
 
 def _quiet_beside_a_flood(
-    sched: Scheduler, clock: ManualClock, ttft: float, gap: float
+    sched: Scheduler, clock: ManualClock, ttft: float, gap: float, gaps: int = 3
 ) -> dict[str, float]:
-    """A light request beside six flooder ones: its first token after `ttft`, then three
+    """A light request beside six flooder ones: its first token after `ttft`, then `gaps`
     tokens `gap` apart; the pool's controller state after it."""
     _learn_alone(sched, clock)  # TTFT 50 ms alone
     _learn_alone_step(sched, clock)  # 20 ms per token alone
@@ -199,7 +199,7 @@ def _quiet_beside_a_flood(
     quiet = _one(sched, "q", "quiet")
     clock.advance(ttft)
     sched.charge_output(quiet.lease.lease_id, 1)
-    for _ in range(3):
+    for _ in range(gaps):
         clock.advance(gap)
         sched.charge_output(quiet.lease.lease_id, 1)
     pool = sched.snapshot()["pools"]["p"]
@@ -280,51 +280,60 @@ pools:
     assert any(i.startswith(f"p.yaml:4: {field}:") and message in i for i in issues), issues
 
 
-def test_the_quantile_rule_cuts_and_opens_in_the_ratio_of_its_quantile() -> None:
-    """At q = 0.9 one sample above the objective costs what nine below it give back, with no
-    cooldown and no dead band; f stays within [MIN_FACTOR, 1]."""
+def test_the_quantile_rule_moves_once_per_window_by_its_share_of_late_samples() -> None:
+    """At q = 0.9 a window of late samples costs what nine windows without one give back,
+    however many samples each holds; f stays within [MIN_FACTOR, 1]."""
     control = DeltaController()
-    control.observe(0.2, 0.1, 1.0, quantile=0.9)
-    control.observe(0.2, 0.1, 1.0, quantile=0.9)  # no cooldown: both count
-    assert control.factor == pytest.approx(math.exp(-2 * 0.9 * QUANTILE_STEP))
-    assert control.violations == 2
-    for _ in range(18):
-        control.observe(0.09, 0.1, 1.0, quantile=0.9)  # just below: no dead band
+    for _ in range(3):
+        control.observe(0.2, 0.1, 1.0, quantile=0.9)
+    assert control.factor == 1.0 and control.violations == 3  # the window is still open
+    control.observe(
+        0.09, 0.1, 1.0 + COOLDOWN_S, quantile=0.9
+    )  # closes it; just below: no dead band
+    assert control.factor == pytest.approx(math.exp(-0.9 * QUANTILE_GAIN))
+    for window in range(1, 10):
+        for _ in range(window):  # a window's weight does not depend on its samples
+            control.observe(0.01, 0.1, 1.0 + (window + 1) * COOLDOWN_S, quantile=0.9)
     assert control.factor == pytest.approx(1.0)
-    control.observe(0.01, 0.1, 2.0, quantile=0.9)
+    control.observe(0.01, 0.1, 100.0, quantile=0.9)
     assert control.factor == 1.0
-    for _ in range(1000):
-        control.observe(1.0, 0.1, 3.0, quantile=0.9)
+    for window in range(100):
+        control.observe(1.0, 0.1, 200.0 + window * COOLDOWN_S, quantile=0.9)
     assert control.factor == pytest.approx(MIN_FACTOR)
 
 
-def _violating_share(quantile: float | None, shape: float, samples: int) -> float:
-    """Feed the controller one sample per second whose chance of exceeding the objective is
+def _violating_share(quantile: float | None, shape: float, per_s: int, samples: int) -> float:
+    """Feed the controller `per_s` samples a second whose chance of exceeding the objective is
     f ** shape (more of the pool to the backlogged tenants, more late tokens); the share of
     the second half's samples above the objective."""
     control, chance = DeltaController(), random.Random(15)
     late = 0
     for i in range(samples):
         violated = chance.random() < control.factor**shape
-        control.observe(0.2 if violated else 0.01, 0.1, float(i), quantile)
+        control.observe(0.2 if violated else 0.01, 0.1, i / per_s, quantile)
         if i >= samples // 2:
             late += violated
     return late / (samples - samples // 2)
 
 
 @pytest.mark.parametrize("shape", [2.0, 3.0])
-def test_the_quantile_rule_settles_where_one_minus_q_of_the_samples_exceed(shape: float) -> None:
-    """What a P90 or P99 objective means: the long-run share of samples above it. The AIMD rule
-    (no quantile) settles far above either."""
-    assert _violating_share(0.9, shape, 40_000) == pytest.approx(0.10, abs=0.02)
-    assert _violating_share(0.99, shape, 40_000) == pytest.approx(0.01, abs=0.004)
-    assert _violating_share(None, shape, 40_000) > 0.25
+@pytest.mark.parametrize("per_s", [1, 10])
+def test_the_quantile_rule_settles_where_one_minus_q_of_the_samples_exceed(
+    shape: float, per_s: int
+) -> None:
+    """What a P90 or P99 objective means: the long-run share of samples above it, at one
+    sample a second or ten. The AIMD rule (no quantile) settles far above either at one a
+    second (and its share depends on the rate)."""
+    assert _violating_share(0.9, shape, per_s, 40_000) == pytest.approx(0.10, abs=0.02)
+    assert _violating_share(0.99, shape, per_s, 40_000) == pytest.approx(0.01, abs=0.004)
+    if per_s == 1:
+        assert _violating_share(None, shape, per_s, 40_000) > 0.25
 
 
 def test_a_tiers_quantile_reaches_the_pools_controller() -> None:
-    """Three gaps of 200 ms per token against 20 ms alone, at P90: three cuts of the quantile
-    rule, none held back by a cooldown."""
+    """Five gaps of 200 ms per token against 20 ms alone, at P90: the first three fill a
+    window, the fifth closes it, and f moves once by the window's share of late samples."""
     sched, clock = _scheduler("{token_gap: 50ms, quantile: 0.9}")
-    state = _quiet_beside_a_flood(sched, clock, ttft=0.05, gap=0.2)
-    assert state["violations"] == 3
-    assert state["factor"] == pytest.approx(math.exp(-3 * 0.9 * QUANTILE_STEP))
+    state = _quiet_beside_a_flood(sched, clock, ttft=0.05, gap=0.2, gaps=5)
+    assert state["violations"] == 5
+    assert state["factor"] == pytest.approx(math.exp(-0.9 * QUANTILE_GAIN))
