@@ -167,6 +167,11 @@ def summarize_arm(
     flooder = within(load.records, "flooder", start, end)
     quiet_tps = meter.rate("quiet", start, end)
     flooder_tps = meter.rate("flooder", start, end)
+    middle = (start + end) / 2
+    halves = [
+        meter.rate("quiet", a, b) + meter.rate("flooder", a, b)
+        for a, b in ((start, middle), (middle, end))
+    ]
     window = [s for s in monitor.samples if start <= s["t"] < end]
     waiting = [s["waiting"] for s in window]
     limits = [
@@ -198,6 +203,7 @@ def summarize_arm(
         "quiet_tok_s": quiet_tps,
         "flooder_tok_s": flooder_tps,
         "total_tok_s": quiet_tps + flooder_tps,
+        "total_tok_s_halves": halves,
         "engine_waiting_mean": sum(waiting) / len(waiting) if waiting else math.nan,
         "engine_waiting_max": max(waiting) if waiting else math.nan,
         "gateway_limit_mean": sum(limits) / len(limits) if limits else None,
@@ -250,6 +256,7 @@ def compare(results: dict[str, dict[str, Any]]) -> dict[str, Any]:
             "quiet_tok_s": result["quiet_tok_s"],
             "total_tok_s": result["total_tok_s"],
             "throughput_vs_fifo": result["total_tok_s"] / fifo_tps,
+            "halves_tok_s": result.get("total_tok_s_halves", [math.nan, math.nan]),
         }
     kinds = ("full", "plain", "soft", "bucket", "paced", "delta")
     contenders = {n: r for n, r in rows.items() if results[n]["kind"] in kinds}

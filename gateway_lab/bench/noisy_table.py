@@ -37,6 +37,19 @@ def inter_token_row(result: dict[str, Any], reference: dict[str, Any] | None) ->
     }
 
 
+UNSTEADY_SPREAD = 0.25
+"""An arm whose window halves' throughputs differ by more than this share of the larger was
+not in a steady state: its window figure belongs to a transient (a controller still
+walking, a backlog draining), not to its operating point."""
+
+
+def unsteady_ok(first: float, second: float) -> bool:
+    """True unless both halves were measured and differ by more than `UNSTEADY_SPREAD`."""
+    if math.isnan(first) or math.isnan(second) or max(first, second) <= 0:
+        return True
+    return abs(first - second) <= UNSTEADY_SPREAD * max(first, second)
+
+
 def print_table(summary: dict[str, Any], arms: Sequence[_Named]) -> None:
     """The noisy-neighbour table and its verdicts, as `compare` summarised them."""
     rows = summary["rows"]
@@ -56,6 +69,17 @@ def print_table(summary: dict[str, Any], arms: Sequence[_Named]) -> None:
             f"{fmt(row['flooder_tok_s'], 0):>13} "
             f"{fmt(row['total_tok_s'], 0):>11} "
             f"{fmt(row['throughput_vs_fifo'] * 100, 0):>6}%"
+        )
+    unsteady = [
+        f"{arm.name} {first:.0f} -> {second:.0f}"
+        for arm in arms
+        for first, second in [rows.get(arm.name, {}).get("halves_tok_s", [math.nan] * 2)]
+        if not unsteady_ok(first, second)
+    ]
+    if unsteady:
+        print(
+            f"not steady (total tok/s, first vs second half of the window, more than "
+            f"{UNSTEADY_SPREAD:.0%} apart): {'; '.join(unsteady)}"
         )
     target = summary["target"]
     full = rows.get("full")

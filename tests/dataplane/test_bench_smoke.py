@@ -47,6 +47,7 @@ def test_noisy_neighbour_quick(tmp_path: Path, capsys: pytest.CaptureFixture[str
     for result in arms.values():
         _ttft_keys(result["quiet"])
         assert {"flooder_tok_s", "quiet_tok_s", "total_tok_s", "timeseries"} <= set(result)
+        assert len(result["total_tok_s_halves"]) == 2
         assert result["records"]["rows"], "no request was recorded"
     assert arms["token-bucket"]["flooder_rpm"] >= 1
     summary = data["summary"]

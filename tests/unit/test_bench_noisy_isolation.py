@@ -4,6 +4,7 @@ arm writes, and the verdict against issue 15's targets."""
 from __future__ import annotations
 
 import argparse
+import math
 
 import pytest
 
@@ -16,6 +17,7 @@ from gateway_lab.bench.noisy_isolation import (
     isolation_verdicts,
     with_warmup,
 )
+from gateway_lab.bench.noisy_table import unsteady_ok
 
 
 def test_arms_and_their_policies() -> None:
@@ -105,3 +107,10 @@ def test_the_verdict_needs_all_three_targets() -> None:
     }  # fmt: skip
     verdict = isolation_verdicts(rows, {"a": 1, "b": 1, "c": 1, "d": 1, "e": 1})
     assert verdict == {"a": True, "b": False, "c": False, "d": False, "e": True}
+
+
+def test_an_arm_whose_window_halves_differ_is_not_steady() -> None:
+    assert unsteady_ok(1000.0, 1200.0)
+    assert not unsteady_ok(600.0, 1400.0)  # a controller still walking: a transient
+    assert not unsteady_ok(1400.0, 1000.0)
+    assert unsteady_ok(math.nan, 1000.0) and unsteady_ok(0.0, 0.0)
