@@ -8,8 +8,11 @@ request's submit, so the simulator drives the same code.
 
 * *Alone* (`AloneModel`, per pool): time to first token as a + b * prompt tokens, fitted online
   (exponentially weighted least squares) from requests admitted while the pool was nearly
-  idle (nothing else prefilling, at most `IDLE_INFLIGHT` others in flight); the decode step
-  (seconds per output token) from chunks of requests while at most `LOW_BATCH` were in flight.
+  idle (nothing else prefilling, at most `IDLE_INFLIGHT` others in flight, and still nothing
+  else prefilling at its first token); the decode step (seconds per output token) from
+  chunks of requests while at most `LOW_BATCH` were in flight and none prefilling. Without
+  the prefilling rule a pool the controller holds at its floor (one backlogged request at a
+  time) taught the model its flooder's prefill steps as "alone", and the δ shrank.
 * *δ* (`TenantDelta`, per tenant): the k-th token of a request arrives `lag = elapsed -
   (ttft_alone + (k - 1) * step_alone)` later than alone. The TTFT δ is the lag at the first
   token; the token δ the per-token gap minus the alone step. Both are published as an

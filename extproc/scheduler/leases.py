@@ -118,7 +118,9 @@ class Leases:
             objective = self._objective(held)
             if objective is not None:
                 self._steer(pool, lag, objective, objective.first_token, now)
-        if held.alone_sample:
+        if held.alone_sample and pool.prefilling_tokens == 0:
+            # idle at its admission and still no other prompt in the engine at its first token:
+            # one admitted meanwhile may have shared its prefill step
             pool.alone.observe_ttft(prompt, ttft)
 
     def _submitted_at(self, held: LeaseState) -> float:
@@ -136,7 +138,8 @@ class Leases:
         gap = (now - last) / tokens
         alone = pool.alone
         step = alone.step()  # before this sample teaches it
-        if pool.capacity.inflight <= LOW_BATCH:
+        if pool.capacity.inflight <= LOW_BATCH and pool.prefilling_tokens == 0:
+            # a gap with another prompt being prefilled is that prompt's step, not a decode
             alone.observe_step(gap)
         if step is None:
             return

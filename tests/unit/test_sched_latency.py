@@ -337,3 +337,25 @@ def test_a_tiers_quantile_reaches_the_pools_controller() -> None:
     state = _quiet_beside_a_flood(sched, clock, ttft=0.05, gap=0.2, gaps=5)
     assert state["violations"] == 5
     assert state["factor"] == pytest.approx(math.exp(-0.9 * QUANTILE_GAIN))
+
+
+def test_a_gap_or_a_first_token_beside_another_prefill_is_not_alone() -> None:
+    """With the controller at its floor a pool holds a quiet request and one backlogged one:
+    few enough to count as nearly alone, but the other's prefill steps are not what the quiet
+    request would get alone, so neither its TTFT nor its gaps teach the alone model then."""
+    sched, clock = _scheduler()
+    quiet = _one(sched, "q", "solo")  # admitted into an idle pool: an alone candidate
+    other = _one(sched, "o", "flood")  # prefilling beside it
+    clock.advance(0.3)
+    sched.charge_output(quiet.lease.lease_id, 1)  # first token while the other prefills
+    for _ in range(3):
+        clock.advance(0.1)
+        sched.charge_output(quiet.lease.lease_id, 1)
+    alone = sched.snapshot()["pools"]["p"]["alone"]
+    assert (alone["ttft_samples"], alone["step_samples"]) == (0, 0)
+    sched.first_token(other.lease.lease_id)  # its prefill is over: decodes only now
+    for _ in range(3):
+        clock.advance(0.02)
+        sched.charge_output(quiet.lease.lease_id, 1)
+    alone = sched.snapshot()["pools"]["p"]["alone"]
+    assert alone["step_samples"] == 3 and alone["step_s"] == pytest.approx(0.02)
