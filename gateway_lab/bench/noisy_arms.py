@@ -9,6 +9,7 @@ from extproc.policy import hash_key
 from extproc.scheduler.adaptive import AdaptiveSettings
 from gateway_lab.bench import scenario
 from gateway_lab.bench.capacity import CapacityConfig
+from gateway_lab.bench.noisy_isolation import DEFAULT_TAIL_QUANTILE, tail_objective
 
 KEYS = {"quiet": "bench-quiet-key", "flooder": "bench-flooder-key"}
 
@@ -123,7 +124,7 @@ def tail_arm(
     return Arm(
         f"tail-{objective}", "service", True, warmup_s, "delta", 512, capacity,
         prefill_budget=prefill_budget,
-        latency_delta=f"{{every_token: {objective}, quantile: {quantile:g}}}",
+        latency_delta=tail_objective(objective, quantile),
     )  # fmt: skip
 
 
@@ -136,7 +137,7 @@ def plan_arms(
     first_deltas: tuple[str, ...] = (),
     step_tokens: tuple[int, ...] = (),
     tail_deltas: tuple[str, ...] = (),
-    tail_quantile: float = 0.99,
+    tail_quantile: float = DEFAULT_TAIL_QUANTILE,
 ) -> list[Arm]:
     full = adaptive_capacity(headroom)
     warm = timing.warmup_full_s

@@ -31,6 +31,9 @@ ArmT = TypeVar("ArmT", bound=_Named)
 TimingT = TypeVar("TimingT")
 
 
+DEFAULT_TAIL_QUANTILE = 0.99
+
+
 @dataclass(frozen=True)
 class Isolation:
     engine_policy: str = "priority"
@@ -42,7 +45,7 @@ class Isolation:
     """First-token objectives of the first-D arms."""
     tail_deltas: tuple[str, ...] = ("100ms",)
     """Every-token objectives of the tail-D arms, bounded at `tail_quantile`."""
-    tail_quantile: float = 0.99
+    tail_quantile: float = DEFAULT_TAIL_QUANTILE
     step_tokens: tuple[int, ...] = (512,)
     """--max-num-batched-tokens of the step-N arms' own engines."""
     arms: tuple[str, ...] = ()
@@ -55,12 +58,12 @@ class Isolation:
         return cls(
             engine_policy=args.engine_policy,
             budget=args.prefill_budget,
-            deltas=_listed(args.deltas),
-            first_deltas=_listed(args.first_token_deltas),
-            tail_deltas=_listed(args.tail_deltas),
+            deltas=listed(args.deltas),
+            first_deltas=listed(args.first_token_deltas),
+            tail_deltas=listed(args.tail_deltas),
             tail_quantile=args.tail_quantile,
-            step_tokens=tuple(int(n) for n in _listed(args.step_tokens)),
-            arms=_listed(args.arms or ""),
+            step_tokens=tuple(int(n) for n in listed(args.step_tokens)),
+            arms=listed(args.arms or ""),
             prefill_threshold=args.engine_prefill_threshold,
         )
 
@@ -81,7 +84,21 @@ class Isolation:
 DEFAULT_ISOLATION = Isolation()
 
 
-def _listed(text: str) -> tuple[str, ...]:
+def tail_objective(objective: str, quantile: float) -> str:
+    """The tail arms' `latency_delta` (YAML flow text): every token's lag at most `objective`
+    for a share `quantile` of them."""
+    return f"{{every_token: {objective}, quantile: {quantile:g}}}"
+
+
+def add_tail_quantile_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--tail-quantile", type=float, default=DEFAULT_TAIL_QUANTILE,
+        help="the quantile the tail arms' objective bounds (default %(default)s)",
+    )  # fmt: skip
+
+
+def listed(text: str) -> tuple[str, ...]:
+    """The items of a comma-separated option, stripped, empty ones dropped."""
     return tuple(item.strip() for item in text.split(",") if item.strip())
 
 
@@ -112,10 +129,7 @@ def add_isolation_arguments(parser: argparse.ArgumentParser) -> None:
         "--tail-deltas", default=",".join(default.tail_deltas),
         help="every-token objectives of the tail-D arms (default %(default)s)",
     )  # fmt: skip
-    parser.add_argument(
-        "--tail-quantile", type=float, default=default.tail_quantile,
-        help="the quantile the tail-D arms' objective bounds (default %(default)s)",
-    )  # fmt: skip
+    add_tail_quantile_argument(parser)
     parser.add_argument(
         "--engine-prefill-threshold", type=int, default=default.prefill_threshold,
         help="the engine's --long-prefill-token-threshold (default %(default)s: off)",

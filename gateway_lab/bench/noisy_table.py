@@ -70,12 +70,11 @@ def print_table(summary: dict[str, Any], arms: Sequence[_Named]) -> None:
             f"{fmt(row['total_tok_s'], 0):>11} "
             f"{fmt(row['throughput_vs_fifo'] * 100, 0):>6}%"
         )
-    unsteady = [
-        f"{arm.name} {first:.0f} -> {second:.0f}"
-        for arm in arms
-        for first, second in [rows.get(arm.name, {}).get("halves_tok_s", [math.nan] * 2)]
-        if not unsteady_ok(first, second)
-    ]
+    unsteady = []
+    for arm in arms:
+        first, second = rows.get(arm.name, {}).get("halves_tok_s", [math.nan, math.nan])
+        if not unsteady_ok(first, second):
+            unsteady.append(f"{arm.name} {first:.0f} -> {second:.0f}")
     if unsteady:
         print(
             f"not steady (total tok/s, first vs second half of the window, more than "

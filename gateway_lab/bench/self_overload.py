@@ -32,27 +32,35 @@ import math
 import os
 import random
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 import orjson
 
-from extproc.policy import hash_key
 from gateway_lab.bench import phases, reply_probe, revisions, scenario
 from gateway_lab.bench.cores import CoreSplit, descendants, group_cpu, pin, split_cores
 from gateway_lab.bench.kvwarden_front import DEFAULT_VENV, kvwarden_front
 from gateway_lab.bench.loadgen import Load, open_loop
 from gateway_lab.bench.monitor import log, wait_engines_idle
-from gateway_lab.bench.noisy_isolation import prime_alone
+from gateway_lab.bench.noisy_isolation import add_tail_quantile_argument, listed, prime_alone
 from gateway_lab.bench.records import RECORD_COLUMNS, Meter, Record, Spec
+from gateway_lab.bench.self_overload_arms import (
+    ARMS,
+    DEFAULT_FIRST_TOKEN_DELTAS,
+    DEFAULT_TAIL_DELTAS,
+    KEYS,
+    Arm,
+    before_arms,
+    delta_arms,
+    policy_text,
+)
 from gateway_lab.bench.stack import PROFILE, Gateway, engine_set, gateway_stack
 from gateway_lab.bench.stats import fmt, status_counts, ttft_stats, within
 
 NAME = "self-overload"
 DEFAULT_OUT = Path("results/self-overload")
-KEYS = {"quiet": "bench-quiet-key", "flooder": "bench-flooder-key"}
 MODEL = "bench"
 FRONTS = {"straight": "straight", "noop": "noop", "service": "extproc"}
 """Fronts run by Envoy, and `gateway_stack`'s name for each (kvwarden runs alone)."""
@@ -91,46 +99,6 @@ class Timing:
         return cls(4.0, 1.0, 3.0)
 
 
-@dataclass(frozen=True)
-class Arm:
-    name: str
-    front: str
-    """straight, noop, kvwarden or service."""
-    load: str
-    """alone, room or over."""
-    phases: bool = False
-    include_usage: bool = False
-    """The clients ask for usage themselves: the service then leaves the body alone."""
-    accounting_process: bool = True
-    """The service's accounting streams in their own process (`serve --accounting-grpc`);
-    False: on the admission process's event loop (`-inproc` arms, the layout before)."""
-    source: Path | None = None
-    """Run the service from this source tree (PYTHONPATH): the `-before` arms' revision."""
-    latency_delta: str | None = None
-    """The tier's δ objective (`latency_delta`, YAML flow text); the arm first sends a few
-    quiet requests one at a time, so the gateway learns the alone TTFT."""
-
-
-ARMS = (
-    Arm("alone-straight", "straight", "alone", phases=True),
-    Arm("alone-noop", "noop", "alone", phases=True),
-    Arm("alone-kvwarden", "kvwarden", "alone"),
-    Arm("alone-service", "service", "alone", phases=True),
-    Arm("alone-service-usage", "service", "alone", phases=True, include_usage=True),
-    Arm("alone-inproc", "service", "alone", phases=True, accounting_process=False),
-    Arm("room-fifo", "straight", "room", phases=True),
-    Arm("room-noop", "noop", "room", phases=True),
-    Arm("room-full", "service", "room", phases=True),
-    Arm("room-inproc", "service", "room", accounting_process=False),
-    Arm("room-kvwarden", "kvwarden", "room"),
-    Arm("over-fifo", "straight", "over"),
-    Arm("over-noop", "noop", "over"),
-    Arm("over-kvwarden", "kvwarden", "over"),
-    Arm("over-full", "service", "over"),
-    Arm("over-inproc", "service", "over", accounting_process=False),
-)
-
-
 @dataclass(frozen=True, slots=True)
 class CompletionSpec(Spec):
     include_usage: bool = False
@@ -146,57 +114,6 @@ class CompletionSpec(Spec):
         if self.include_usage:
             body["stream_options"] = {"include_usage": True}
         return orjson.dumps(body)
-
-
-DEFAULT_FIRST_TOKEN_DELTAS = ("10ms", "30ms")
-"""The first-token objectives of the `room-first-D` arms (`--first-token-deltas`)."""
-DEFAULT_TAIL_DELTAS = ("20ms",)
-"""The every-token objectives of the `room-tail-D` arms (`--tail-deltas`)."""
-
-
-def delta_arms(
-    deltas: Sequence[str], tail_deltas: Sequence[str] = (), tail_quantile: float = 0.99
-) -> tuple[Arm, ...]:
-    """`room-first-D`: the room load, our policy with a first-token objective D (issue 15's
-    target on kvwarden's workload); `room-tail-D`: every token's lag at most D for a share
-    `tail_quantile` of them; `over-...`, the same above the engine's capacity."""
-    objectives = [
-        *((f"first-{d}", f"{{first_token: {d}}}") for d in deltas),
-        *((f"tail-{d}", f"{{every_token: {d}, quantile: {tail_quantile:g}}}") for d in tail_deltas),
-    ]
-    return tuple(
-        Arm(f"{load}-{name}", "service", load, latency_delta=objective)
-        for load in ("room", "over")
-        for name, objective in objectives
-    )
-
-
-def before_arms(source: Path) -> tuple[Arm, ...]:
-    """`room-before` and `over-before`: the service of another revision (`--before REV`)."""
-    return (
-        Arm("room-before", "service", "room", phases=True, source=source),
-        Arm("over-before", "service", "over", source=source),
-    )
-
-
-def policy_text(endpoint: str, latency_delta: str | None = None) -> str:
-    """Our full policy: the defaults (DRR, headroom, adaptive soft limit, overload shedding),
-    and a δ objective if given."""
-    objective = (
-        f"tier_options: {{standard: {{latency_delta: {latency_delta}}}}}\n" if latency_delta else ""
-    )
-    return f"""\
-version: 1
-tiers: [standard]
-{objective}tenants:
-  quiet: {{tier: standard, api_keys: ["{hash_key(KEYS["quiet"])}"]}}
-  flooder: {{tier: standard, api_keys: ["{hash_key(KEYS["flooder"])}"]}}
-pools:
-  {scenario.POOL}: {{max_total_tokens: 131072, max_inflight: 512,
-          max_inflight_tokens: 1000000000, endpoints: ["{endpoint}"]}}
-estimation: {{mode: flat, default_bytes_per_token: 4.0}}
-gateway: {{default_max_tokens: 256, message_timeout: 5s}}
-"""
 
 
 def maker(tenant: str, output: int, work: Workload, seed: int, usage: bool) -> Any:
@@ -539,10 +456,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--tail-deltas", default=",".join(DEFAULT_TAIL_DELTAS),
         help="every-token objectives of the room-tail-D arms (default %(default)s)",
     )  # fmt: skip
-    parser.add_argument(
-        "--tail-quantile", type=float, default=0.99,
-        help="the quantile the tail-D arms' objective bounds (default %(default)s)",
-    )  # fmt: skip
+    add_tail_quantile_argument(parser)
     parser.add_argument(
         "--before", metavar="REV",
         help="also offer the arms room-before and over-before: the service of git revision REV",
@@ -569,9 +483,8 @@ def main(args: argparse.Namespace) -> int:
     work = Workload()
     if args.over_rate:
         work = replace(work, over_rate=args.over_rate)
-    deltas = [d.strip() for d in args.first_token_deltas.split(",") if d.strip()]
-    tails = [d.strip() for d in args.tail_deltas.split(",") if d.strip()]
-    every = (*ARMS, *delta_arms(deltas, tails, args.tail_quantile))
+    tails = listed(args.tail_deltas)
+    every = (*ARMS, *delta_arms(listed(args.first_token_deltas), tails, args.tail_quantile))
     if args.before:
         source = revisions.tree_of_rev(args.before, scenario.workdir_of(args) / "before-src")
         every = (*every, *before_arms(source))

@@ -1,0 +1,107 @@
+"""The self-overload arms (gateway_lab/bench/self_overload.py): what each one runs, the
+δ-objective arms and the policy our service runs in them."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from extproc.policy import hash_key
+from gateway_lab.bench import scenario
+from gateway_lab.bench.noisy_isolation import DEFAULT_TAIL_QUANTILE, tail_objective
+
+KEYS = {"quiet": "bench-quiet-key", "flooder": "bench-flooder-key"}
+
+
+@dataclass(frozen=True)
+class Arm:
+    name: str
+    front: str
+    """straight, noop, kvwarden or service."""
+    load: str
+    """alone, room or over."""
+    phases: bool = False
+    include_usage: bool = False
+    """The clients ask for usage themselves: the service then leaves the body alone."""
+    accounting_process: bool = True
+    """The service's accounting streams in their own process (`serve --accounting-grpc`);
+    False: on the admission process's event loop (`-inproc` arms, the layout before)."""
+    source: Path | None = None
+    """Run the service from this source tree (PYTHONPATH): the `-before` arms' revision."""
+    latency_delta: str | None = None
+    """The tier's δ objective (`latency_delta`, YAML flow text); the arm first sends a few
+    quiet requests one at a time, so the gateway learns the alone TTFT."""
+
+
+ARMS = (
+    Arm("alone-straight", "straight", "alone", phases=True),
+    Arm("alone-noop", "noop", "alone", phases=True),
+    Arm("alone-kvwarden", "kvwarden", "alone"),
+    Arm("alone-service", "service", "alone", phases=True),
+    Arm("alone-service-usage", "service", "alone", phases=True, include_usage=True),
+    Arm("alone-inproc", "service", "alone", phases=True, accounting_process=False),
+    Arm("room-fifo", "straight", "room", phases=True),
+    Arm("room-noop", "noop", "room", phases=True),
+    Arm("room-full", "service", "room", phases=True),
+    Arm("room-inproc", "service", "room", accounting_process=False),
+    Arm("room-kvwarden", "kvwarden", "room"),
+    Arm("over-fifo", "straight", "over"),
+    Arm("over-noop", "noop", "over"),
+    Arm("over-kvwarden", "kvwarden", "over"),
+    Arm("over-full", "service", "over"),
+    Arm("over-inproc", "service", "over", accounting_process=False),
+)
+
+
+DEFAULT_FIRST_TOKEN_DELTAS = ("10ms", "30ms")
+"""The first-token objectives of the `room-first-D` arms (`--first-token-deltas`)."""
+DEFAULT_TAIL_DELTAS = ("20ms",)
+"""The every-token objectives of the `room-tail-D` arms (`--tail-deltas`)."""
+
+
+def delta_arms(
+    deltas: Sequence[str],
+    tail_deltas: Sequence[str] = (),
+    tail_quantile: float = DEFAULT_TAIL_QUANTILE,
+) -> tuple[Arm, ...]:
+    """`room-first-D`: the room load, our policy with a first-token objective D (issue 15's
+    target on kvwarden's workload); `room-tail-D`: every token's lag at most D for a share
+    `tail_quantile` of them; `over-...`, the same above the engine's capacity."""
+    objectives = [
+        *((f"first-{d}", f"{{first_token: {d}}}") for d in deltas),
+        *((f"tail-{d}", tail_objective(d, tail_quantile)) for d in tail_deltas),
+    ]
+    return tuple(
+        Arm(f"{load}-{name}", "service", load, latency_delta=objective)
+        for load in ("room", "over")
+        for name, objective in objectives
+    )
+
+
+def before_arms(source: Path) -> tuple[Arm, ...]:
+    """`room-before` and `over-before`: the service of another revision (`--before REV`)."""
+    return (
+        Arm("room-before", "service", "room", phases=True, source=source),
+        Arm("over-before", "service", "over", source=source),
+    )
+
+
+def policy_text(endpoint: str, latency_delta: str | None = None) -> str:
+    """Our full policy: the defaults (DRR, headroom, adaptive soft limit, overload shedding),
+    and a δ objective if given."""
+    objective = (
+        f"tier_options: {{standard: {{latency_delta: {latency_delta}}}}}\n" if latency_delta else ""
+    )
+    return f"""\
+version: 1
+tiers: [standard]
+{objective}tenants:
+  quiet: {{tier: standard, api_keys: ["{hash_key(KEYS["quiet"])}"]}}
+  flooder: {{tier: standard, api_keys: ["{hash_key(KEYS["flooder"])}"]}}
+pools:
+  {scenario.POOL}: {{max_total_tokens: 131072, max_inflight: 512,
+          max_inflight_tokens: 1000000000, endpoints: ["{endpoint}"]}}
+estimation: {{mode: flat, default_bytes_per_token: 4.0}}
+gateway: {{default_max_tokens: 256, message_timeout: 5s}}
+"""
