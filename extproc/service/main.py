@@ -356,21 +356,25 @@ class Service:
         # New RPCs are refused from here on; running ones keep going for `grace` seconds.
         loop = asyncio.get_running_loop()
         began = loop.time()
+        # What the grace cuts is what is in flight when it runs out. Counted by a timer at
+        # the deadline: it fires before the server's own (started after `began`), while
+        # the cut requests still hold their leases; a poll after the cancellations count 0.
+        at_deadline: list[int] = []
+        deadline = loop.call_at(
+            began + grace, lambda: at_deadline.append(gateway.scheduler.inflight())
+        )
         stopping = asyncio.ensure_future(server.stop(grace))
         self.drained += drain_queued(gateway)
-        inflight = gateway.scheduler.inflight()
-        forced = False
+        forced_cut: int | None = None
         while not stopping.done():
             if self.force_requested.is_set():
-                forced = True
+                forced_cut = gateway.scheduler.inflight()
                 await server.stop(0)
                 break
             await asyncio.wait({stopping}, timeout=_DRAIN_POLL_S)
             # A stream that was between its headers and its body when the drain began
             # may still join the queue: answer it too.
             self.drained += drain_queued(gateway)
-            if not stopping.done():
-                inflight = gateway.scheduler.inflight()
         with contextlib.suppress(asyncio.CancelledError):
             await stopping
         # The accounting process's streams are the in-flight responses: let them end too.
@@ -378,16 +382,16 @@ class Service:
         while (
             accounting is not None
             and accounting.open_streams
-            and not forced
+            and forced_cut is None
             and loop.time() - began < grace
         ):
             await asyncio.sleep(_DRAIN_POLL_S)
-            forced = self.force_requested.is_set()
-            inflight = gateway.scheduler.inflight()
+            if self.force_requested.is_set():
+                forced_cut = gateway.scheduler.inflight()
+        deadline.cancel()
         if self.drained:
             self.metrics.drained_requests.inc(self.drained)
-        # Responses still running when the grace ran out were cut by the server's stop.
-        cut = inflight if forced or loop.time() - began >= grace else 0
+        cut = forced_cut if forced_cut is not None else sum(at_deadline)
         fields = {"drained_queued": self.drained, "inflight_cut": cut}
         if cut:
             log.warning("drain grace over; in-flight requests were cut", extra={"fields": fields})
