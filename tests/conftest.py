@@ -2,17 +2,51 @@
 
 from __future__ import annotations
 
+import random
 import socket
+from pathlib import Path
 
 from extproc.policy import hash_key
 
 TEST_KEYS = {"acme": "key-acme", "globex": "key-globex", "initech": "key-initech"}
 
 
+_PORTS_HANDED_OUT: set[int] = set()
+_LOWEST_PICKED_PORT = 10_000
+
+
+def _ephemeral_range() -> tuple[int, int]:
+    try:
+        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(low), int(high)
+    except (OSError, ValueError):
+        return 32_768, 60_999
+
+
 def free_port() -> int:
+    """A loopback port nothing listens on, for a server a test starts next.
+
+    Picked below the kernel's ephemeral range: a port the kernel picked (bind to port 0) and
+    we released could be handed to a client connection's local end before our server binds
+    it. Never the same port twice in one test run."""
+    low, _ = _ephemeral_range()
+    if low - _LOWEST_PICKED_PORT >= 1_000:
+        for _ in range(200):
+            port = random.randrange(_LOWEST_PICKED_PORT, low)
+            if port in _PORTS_HANDED_OUT:
+                continue
+            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+                try:
+                    sock.bind(("127.0.0.1", port))
+                except OSError:
+                    continue
+            _PORTS_HANDED_OUT.add(port)
+            return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+        port = int(sock.getsockname()[1])
+    _PORTS_HANDED_OUT.add(port)
+    return port
 
 
 def policy_yaml(
