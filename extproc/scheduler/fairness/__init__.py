@@ -33,7 +33,7 @@ def fairness_from_settings(settings: Fairness) -> FairnessPolicy:
     return _registered(settings.policy).from_settings(settings)
 
 
-def make_fairness(policy: str, quantum: float) -> FairnessPolicy:
+def make_fairness(policy: str, quantum: int) -> FairnessPolicy:
     """A policy by name with default settings but for the DRR quantum (tests, tools)."""
     return _registered(policy).from_settings(Fairness.model_validate({"quantum": quantum}))
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from typing import Self
+from typing import ClassVar, Self
 
 from extproc.policy.model import Fairness
 
@@ -35,7 +35,7 @@ class DeficitLongestPrefixMatch:
     A pick looks at every candidate's cached prefix: O(candidates x matched blocks).
     """
 
-    name = "dlpm"
+    name: ClassVar[str] = "dlpm"
 
     @classmethod
     def from_settings(cls, settings: Fairness) -> Self:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from bisect import bisect_right
 from collections.abc import Callable, Sequence
-from typing import Self
+from typing import ClassVar, Self
 
 from extproc.policy.model import Fairness
 
@@ -28,7 +28,7 @@ class DeficitRoundRobin:
     O(members). The ring is the members' join positions in a sorted list (lazy deletion).
     """
 
-    name = "drr"
+    name: ClassVar[str] = "drr"
 
     @classmethod
     def from_settings(cls, settings: Fairness) -> Self:
@@ -91,7 +91,7 @@ class DeficitRoundRobin:
             need = cost - deficit[tenant]
             grant = self.quantum * self._weight[tenant]
             visits = 1 if need <= grant + _EPS else math.ceil((need - _EPS) / grant)
-            at = (visits - 1) * size + offset
+            at = float((visits - 1) * size + offset)
             if at < best_time:
                 best, best_time = tenant, at
         for offset, (tenant, _cost) in enumerate(ring, start=1):

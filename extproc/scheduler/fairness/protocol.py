@@ -28,13 +28,13 @@ member's head request the pool's replicas already hold (extproc.scheduler.locali
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Protocol, Self, runtime_checkable
+from typing import ClassVar, Protocol, Self, runtime_checkable
 
 from extproc.policy.model import Fairness
 
 
 class FairnessPolicy(Protocol):
-    name: str
+    name: ClassVar[str]
 
     def on_backlogged(self, tenant: str, weight: float) -> None: ...
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from heapq import heapify, heappop, heappush
-from typing import Self
+from typing import ClassVar, Self
 
 from extproc.policy.model import Fairness
 
@@ -21,7 +21,7 @@ class VirtualTokenCounter:
     when every member is a candidate, and the base at joining -- costs O(log members).
     """
 
-    name = "vtc"
+    name: ClassVar[str] = "vtc"
 
     @classmethod
     def from_settings(cls, settings: Fairness) -> Self:
