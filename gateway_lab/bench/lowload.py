@@ -50,7 +50,7 @@ import orjson
 
 from extproc.envoy_routes import ACCOUNTING_FILTER, ADMISSION_FILTER
 from extproc.policy import hash_key
-from gateway_lab.bench import phases, scenario
+from gateway_lab.bench import phases, revisions, scenario
 from gateway_lab.bench.cores import CoreSplit, descendants, pin, split_cores, tree_cpu_seconds
 from gateway_lab.bench.figures import pyplot, save_figure
 from gateway_lab.bench.loadgen import Load, open_loop
@@ -185,7 +185,7 @@ def front(arm: str, workdir: Path, endpoint: str, before_src: Path | None) -> It
     env = None
     if arm in BEFORE_ARMS:
         assert before_src is not None
-        env = {**os.environ, "PYTHONPATH": str(before_src)}
+        env = revisions.tree_env(before_src)
     with gateway_stack(
         workdir, policy_text(endpoint, adaptive=arm != "static"), kind,
         bootstrap_edit=EDITS.get(arm, phases.timed_bootstrap),

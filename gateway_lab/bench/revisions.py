@@ -3,6 +3,7 @@ the tree they run from."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 from pathlib import Path
 
@@ -23,3 +24,10 @@ def tree_of_rev(rev: str, into: Path) -> Path:
         ["tar", "-x", "-C", str(into)], input=archive.stdout, check=True, timeout=GIT_TIMEOUT_S
     )
     return into
+
+
+def tree_env(tree: Path) -> dict[str, str]:
+    """The environment in which `python -m extproc ...` runs the extproc of `tree`: first on
+    PYTHONPATH, and no current folder on sys.path (PYTHONSAFEPATH), since `-m` would
+    otherwise put the folder the benchmark runs in, usually this checkout, ahead of it."""
+    return {**os.environ, "PYTHONPATH": str(tree.resolve()), "PYTHONSAFEPATH": "1"}

@@ -140,7 +140,7 @@ def front(arm: Arm, workdir: Path, endpoint: str, kvwarden_venv: Path) -> Iterat
             yield gateway
         return
     edit = phases.timed_bootstrap  # every Envoy arm logs; the alone arms' phases are the table
-    env = None if arm.source is None else {**os.environ, "PYTHONPATH": str(arm.source)}
+    env = None if arm.source is None else revisions.tree_env(arm.source)
     with gateway_stack(
         workdir / arm.name,
         policy_text(endpoint, arm.latency_delta),

@@ -1,13 +1,17 @@
-"""`revisions.tree_of_rev`: a revision's extproc/ on disk, for the "before" arms."""
+"""`revisions.tree_of_rev`: a revision's extproc/ on disk, for the "before" arms; `tree_env`:
+the environment that runs it."""
 
 from __future__ import annotations
 
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
-from gateway_lab.bench.revisions import tree_of_rev
+from gateway_lab.bench.revisions import tree_env, tree_of_rev
+
+REPO = Path(__file__).resolve().parents[2]
 
 
 def test_a_revision_is_unpacked_with_its_package(tmp_path: Path) -> None:
@@ -20,3 +24,18 @@ def test_a_revision_is_unpacked_with_its_package(tmp_path: Path) -> None:
 def test_an_unknown_revision_is_an_error(tmp_path: Path) -> None:
     with pytest.raises(subprocess.CalledProcessError):
         tree_of_rev("no-such-revision-anywhere", tmp_path / "x")
+
+
+def test_python_m_from_the_checkout_runs_the_other_tree(tmp_path: Path) -> None:
+    """`python -m` puts the current folder first on sys.path; the benchmarks run from the
+    checkout, whose own extproc/ would then be the one that runs."""
+    package = tmp_path / "extproc"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "where_from.py").write_text("import extproc\nprint(extproc.__file__)\n")
+    done = subprocess.run(
+        [sys.executable, "-m", "extproc.where_from"], cwd=REPO, env=tree_env(tmp_path),
+        capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == str(package / "__init__.py")
