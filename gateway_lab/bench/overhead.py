@@ -1,7 +1,7 @@
 """Benchmark: what the gateway costs. The same streamed workload through the same Envoy, three ways:
 straight to the engines, through the do-nothing ext_proc floor, and through our service.
 
-`extproc bench overhead [--out results/overhead] [--quick]`
+`extproc bench overhead [--out results/overhead] [--quick] [--compiled-src DIR]`
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from gateway_lab.bench.cores import tree_cpu_seconds
 from gateway_lab.bench.figures import pyplot, save_figure
 from gateway_lab.bench.loadgen import Load, closed_loop, summarize
 from gateway_lab.bench.records import Meter, Record, Spec, percentile
+from gateway_lab.bench.revisions import check_compiled, tree_env
 from gateway_lab.bench.stack import Gateway, bench_stack
 from gateway_lab.engine.tokens import chat_prompt_tokens
 from gateway_lab.progress import Progress
@@ -33,6 +34,12 @@ ARMS = ("straight", "noop", "extproc", "extproc-child")
 """`extproc`: our service accounting in process; `extproc-child`: with its accounting child
 process (`serve --accounting-grpc`), the layout `extproc up` and the deploy files ship, its
 CPU the two processes' together."""
+COMPILED_ARM = "compiled-child"
+"""With `--compiled-src DIR`: `extproc-child` running the compiled build installed in DIR
+(scripts/build-compiled.sh)."""
+OURS = {"extproc": "ours", "extproc-child": "ours_child", COMPILED_ARM: "compiled_child"}
+"""Our arms and their names in the summary."""
+LABELS = {"ours": "in process", "ours_child": "with the child", "compiled_child": "compiled"}
 
 
 def bench_policy(short: str, long_: str) -> str:
@@ -135,9 +142,9 @@ def merge_rounds(rounds: list[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
-def planned_seconds(loads: list[tuple[int, int, float]], rounds: int) -> float:
+def planned_seconds(loads: list[tuple[int, int, float]], rounds: int, arms: int) -> float:
     """Seconds of load `interleaved` runs: what the progress display counts."""
-    return rounds * len(ARMS) * sum(seconds for _, _, seconds in loads)
+    return rounds * arms * sum(seconds for _, _, seconds in loads)
 
 
 def interleaved(
@@ -161,9 +168,10 @@ def interleaved(
                 measured = measure(stack, tokens, concurrency, seconds, arm)
                 raw.append({**measured, "round": round_index})
                 tracker.update(tracker.done + seconds)
+    order = list(stacks)
     keys = sorted(
         dict.fromkeys((r["arm"], r["output_tokens"], r["concurrency"]) for r in raw),
-        key=lambda k: (ARMS.index(k[0]), k[2], k[1]),
+        key=lambda k: (order.index(k[0]), k[2], k[1]),
     )
     merged = [
         merge_rounds([r for r in raw if (r["arm"], r["output_tokens"], r["concurrency"]) == key])
@@ -173,36 +181,46 @@ def interleaved(
 
 
 def stacks_of(
-    exit_stack: contextlib.ExitStack, workdir: Path, profile: str, tracker: Progress
+    exit_stack: contextlib.ExitStack,
+    workdir: Path,
+    profile: str,
+    tracker: Progress,
+    compiled_src: Path | None = None,
 ) -> dict[str, Gateway]:
-    """The three arms' stacks, all up at once (idle while another arm is measured)."""
+    """The arms' stacks, all up at once (idle while another arm is measured)."""
     stacks: dict[str, Gateway] = {}
-    for arm in ARMS:
+    for arm in (*ARMS, *([COMPILED_ARM] if compiled_src else [])):
         tracker.note(f"[overhead] starting the {arm} stack ({profile})")
         child = arm.endswith("-child")
         where = workdir / f"{profile}-{arm}"
-        kind = arm.removesuffix("-child")
+        kind = "extproc" if arm == COMPILED_ARM else arm.removesuffix("-child")
+        env = tree_env(compiled_src) if arm == COMPILED_ARM and compiled_src else None
         stack = exit_stack.enter_context(
-            bench_stack(where, bench_policy, kind, profile, accounting_process=child)
+            bench_stack(
+                where, bench_policy, kind, profile, accounting_process=child, extproc_env=env
+            )
         )
         measure(stack, 20, 4, 1.0)  # warm up connections and caches
         stacks[arm] = stack
     return stacks
 
 
-def run(out: Path, quick: bool, workdir: Path) -> dict[str, Any]:
+def run(out: Path, quick: bool, workdir: Path, compiled_src: Path | None = None) -> dict[str, Any]:
     levels = (8,) if quick else (8, 32)
     short_s, long_s = (3.0, 6.0) if quick else (6.0, 10.0)
     rounds = 1 if quick else 2
     loads = [(t, c, sec) for c in levels for t, sec in ((20, short_s), (500, long_s))]
     bound_loads = [(20, GATEWAY_BOUND_CLIENTS, 3.0 if quick else 8.0)]
-    total = planned_seconds(loads, rounds) + planned_seconds(bound_loads, rounds)
+    if compiled_src is not None:
+        check_compiled(compiled_src)
+    arms = len(ARMS) + (compiled_src is not None)
+    total = planned_seconds(loads, rounds, arms) + planned_seconds(bound_loads, rounds, arms)
     tracker = Progress("overhead", total, unit="s of load")
     with contextlib.ExitStack() as exit_stack:
-        stacks = stacks_of(exit_stack, workdir, "a100-llama3-8b", tracker)
+        stacks = stacks_of(exit_stack, workdir, "a100-llama3-8b", tracker, compiled_src)
         runs, raw = interleaved(stacks, loads, rounds, "", tracker)
     with contextlib.ExitStack() as exit_stack:
-        stacks = stacks_of(exit_stack, workdir, GATEWAY_BOUND_PROFILE, tracker)
+        stacks = stacks_of(exit_stack, workdir, GATEWAY_BOUND_PROFILE, tracker, compiled_src)
         saturated, raw_saturated = interleaved(
             stacks, bound_loads, rounds, "gateway-bound ", tracker
         )
@@ -210,6 +228,11 @@ def run(out: Path, quick: bool, workdir: Path) -> dict[str, Any]:
     tracker.phase("in-process cost of our handlers (no gRPC)")
     chunks = round(_find(runs, "extproc", 20, levels[0])["chunks_per_request"])
     in_process = measure_in_process(2_000 if quick else 10_000, chunks)
+    in_process_compiled = (
+        None
+        if compiled_src is None
+        else measure_in_process(2_000 if quick else 10_000, chunks, tree_env(compiled_src))
+    )
     tracker.finish()
     out.mkdir(parents=True, exist_ok=True)
     results = {
@@ -217,6 +240,7 @@ def run(out: Path, quick: bool, workdir: Path) -> dict[str, Any]:
         "summary": report,
         "gateway_bound": saturated,
         "in_process_us": in_process,
+        "in_process_compiled_us": in_process_compiled,
         "raw_runs": raw + raw_saturated,
     }
     (out / "results.json").write_text(json.dumps(results, indent=2))
@@ -228,16 +252,21 @@ def run(out: Path, quick: bool, workdir: Path) -> dict[str, Any]:
     )
     for row in saturated:
         print(
-            f"  {row['arm']:13s} {row['rps']:7.1f} req/s  ext_proc CPU "
+            f"  {row['arm']:14s} {row['rps']:7.1f} req/s  ext_proc CPU "
             f"{row['extproc_cpu_us_per_request']:6.0f} us/request"
         )
     floor_rps = next(r["rps"] for r in saturated if r["arm"] == "noop")
-    for arm in ("extproc", "extproc-child"):
-        ours_rps = next(r["rps"] for r in saturated if r["arm"] == arm)
-        print(f"  {arm} / floor = {ours_rps / floor_rps:.2f}x (target >= 0.9)")
+    for row in saturated:
+        if row["arm"] in OURS:
+            print(f"  {row['arm']} / floor = {row['rps'] / floor_rps:.2f}x (target >= 0.9)")
     print(f"\nin-process (our handlers alone, {chunks} chunks, hot loop: bench.inprocess):")
     for phase, micros in in_process.items():
-        print(f"  {phase:28s} {micros:7.1f} us")
+        compiled = (
+            ""
+            if in_process_compiled is None
+            else f"  compiled {in_process_compiled[phase]:7.1f} us"
+        )
+        print(f"  {phase:28s} {micros:7.1f} us{compiled}")
     return results
 
 
@@ -245,12 +274,15 @@ GATEWAY_BOUND_PROFILE = "fast"
 GATEWAY_BOUND_CLIENTS = 32
 
 
-def measure_in_process(requests: int, chunks: int) -> dict[str, float]:
+def measure_in_process(
+    requests: int, chunks: int, env: dict[str, str] | None = None
+) -> dict[str, float]:
     """gateway_lab.bench.inprocess in a fresh process: this one's heap (load generator, results)
-    would make garbage collection, and so the figures, larger than in the service."""
+    would make garbage collection, and so the figures, larger than in the service. `env`: the
+    compiled build's (`tree_env`)."""
     command = [sys.executable, "-m", "gateway_lab.bench.inprocess", "--json",
                "--requests", str(requests), "--chunks", str(chunks)]  # fmt: skip
-    done = subprocess.run(command, capture_output=True, text=True, check=True, timeout=600)
+    done = subprocess.run(command, capture_output=True, text=True, check=True, timeout=600, env=env)
     figures: dict[str, float] = json.loads(done.stdout)
     return figures
 
@@ -280,7 +312,10 @@ def compare(runs: list[dict[str, Any]], levels: tuple[int, ...]) -> dict[str, An
                 "floor": noop_short["ttfb_p50_ms"] - straight_short["ttfb_p50_ms"]
             },
         }
-        for arm, name in (("extproc", "ours"), ("extproc-child", "ours_child")):
+        present = {r["arm"] for r in runs}
+        for arm, name in OURS.items():
+            if arm not in present:
+                continue
             short, long_ = _find(runs, arm, 20, level), _find(runs, arm, 500, level)
             request, chunk = short["extproc_cpu_us_per_request"], per_chunk_us(short, long_)
             figures["cpu_per_request_us"] |= {name: request, f"{name}_ratio": request / floor_req}
@@ -297,11 +332,11 @@ def compare(runs: list[dict[str, Any]], levels: tuple[int, ...]) -> dict[str, An
 
 
 def print_table(runs: list[dict[str, Any]], summary: dict[str, Any]) -> None:
-    print(f"\n{'arm':13} {'tokens':>6} {'conc':>4} {'req/s':>8} {'ttfb p50':>9} {'ttfb p99':>9} "
+    print(f"\n{'arm':14} {'tokens':>6} {'conc':>4} {'req/s':>8} {'ttfb p50':>9} {'ttfb p99':>9} "
           f"{'cpu us/req':>10} {'chunks/req':>10}")  # fmt: skip
     for r in runs:
         print(
-            f"{r['arm']:13} {r['output_tokens']:6d} {r['concurrency']:4d} {r['rps']:8.1f} "
+            f"{r['arm']:14} {r['output_tokens']:6d} {r['concurrency']:4d} {r['rps']:8.1f} "
             f"{r['ttfb_p50_ms']:8.1f}ms {r['ttfb_p99_ms']:8.1f}ms "
             f"{r['extproc_cpu_us_per_request']:10.0f} {r['chunks_per_request']:10.1f}"
         )
@@ -312,7 +347,9 @@ def print_table(runs: list[dict[str, Any]], summary: dict[str, Any]) -> None:
             figures["rps_20_tokens"],
         )
         print(f"\n{level}:")
-        for name, label in (("ours", "in process"), ("ours_child", "with the child")):
+        for name, label in LABELS.items():
+            if name not in request:
+                continue
             print(
                 f"  {label}: CPU/request {request[name]:.0f} us vs floor {request['floor']:.0f} us"
                 f" = {request[name + '_ratio']:.2f}x (target <= 1.25); CPU/chunk "
@@ -327,10 +364,11 @@ def plot(runs: list[dict[str, Any]], path: Path) -> None:
     plt = pyplot()
     fig, axes = plt.subplots(1, 3, figsize=(14, 4))
     labels = [f"{r['output_tokens']}t c{r['concurrency']}" for r in runs if r["arm"] == "straight"]
-    width = 0.2
-    for offset, arm in enumerate(ARMS):
+    arms = list(dict.fromkeys(r["arm"] for r in runs))
+    width = 0.8 / len(arms)
+    for offset, arm in enumerate(arms):
         mine = [r for r in runs if r["arm"] == arm]
-        xs = [i + (offset - 1.5) * width for i in range(len(mine))]
+        xs = [i + (offset - (len(arms) - 1) / 2) * width for i in range(len(mine))]
         axes[0].bar(xs, [r["rps"] for r in mine], width, label=arm)
         axes[1].bar(xs, [r["ttfb_p50_ms"] for r in mine], width, label=arm)
         axes[2].bar(xs, [r["extproc_cpu_us_per_request"] for r in mine], width, label=arm)
@@ -347,8 +385,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
     parser.add_argument("--quick", action="store_true", help="a short smoke run")
     parser.add_argument("--workdir", type=Path, help="logs of the stacks (default: OUT/stacks)")
+    parser.add_argument(
+        "--compiled-src",
+        type=Path,
+        help="a folder holding the compiled build (scripts/build-compiled.sh): adds the arm "
+        f"{COMPILED_ARM!r}, and the hot loop compiled",
+    )
 
 
 def main(args: argparse.Namespace) -> int:
-    run(args.out, args.quick, args.workdir or args.out / "stacks")
+    run(args.out, args.quick, args.workdir or args.out / "stacks", args.compiled_src)
     return 0

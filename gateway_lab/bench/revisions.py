@@ -1,10 +1,11 @@
-"""An older revision's runtime package on disk, for benchmarks that measure "before" beside
-the tree they run from."""
+"""Another runtime package on disk, for benchmarks that measure it beside the tree they run
+from: an older revision's ("before"), or the compiled build (scripts/build-compiled.sh)."""
 
 from __future__ import annotations
 
 import os
 import subprocess
+import sys
 from pathlib import Path
 
 GIT_TIMEOUT_S = 60.0
@@ -31,3 +32,17 @@ def tree_env(tree: Path) -> dict[str, str]:
     PYTHONPATH, and no current folder on sys.path (PYTHONSAFEPATH), since `-m` would
     otherwise put the folder the benchmark runs in, usually this checkout, ahead of it."""
     return {**os.environ, "PYTHONPATH": str(tree.resolve()), "PYTHONSAFEPATH": "1"}
+
+
+def check_compiled(tree: Path) -> None:
+    """Refuse to measure a compiled build at `tree` whose scheduler would run as Python."""
+    probe = "import extproc.scheduler.core as m; print(m.__file__)"
+    found = subprocess.run(
+        [sys.executable, "-c", probe], env=tree_env(tree), capture_output=True, text=True,
+        timeout=GIT_TIMEOUT_S, check=False,
+    )  # fmt: skip
+    if not found.stdout.strip().endswith(".so"):
+        raise SystemExit(
+            f"--compiled-src {tree}: extproc.scheduler.core is not compiled there "
+            f"({found.stdout.strip() or found.stderr.strip()}); run scripts/build-compiled.sh"
+        )

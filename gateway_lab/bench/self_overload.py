@@ -53,6 +53,7 @@ from gateway_lab.bench.self_overload_arms import (
     KEYS,
     Arm,
     before_arms,
+    compiled_arms,
     delta_arms,
     policy_text,
 )
@@ -461,6 +462,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--before", metavar="REV",
         help="also offer the arms room-before and over-before: the service of git revision REV",
     )  # fmt: skip
+    parser.add_argument(
+        "--compiled-src", type=Path, metavar="DIR",
+        help="also offer alone-compiled, room-compiled and over-compiled: the service from the "
+        "compiled build in DIR (scripts/build-compiled.sh)",
+    )  # fmt: skip
     parser.add_argument("--kvwarden-venv", type=Path, default=DEFAULT_VENV)
     parser.add_argument("--no-kvwarden", action="store_true", help="skip the kvwarden arms")
     parser.add_argument("--over-rate", type=float, help="flooder requests/s in `over` (48)")
@@ -488,6 +494,9 @@ def main(args: argparse.Namespace) -> int:
     if args.before:
         source = revisions.tree_of_rev(args.before, scenario.workdir_of(args) / "before-src")
         every = (*every, *before_arms(source))
+    if args.compiled_src:
+        revisions.check_compiled(args.compiled_src)
+        every = (*every, *compiled_arms(args.compiled_src))
     arms = list(every)
     if args.arms:
         wanted = [a.strip() for a in args.arms.split(",") if a.strip()]

@@ -28,7 +28,8 @@ class Arm:
     """The service's accounting streams in their own process (`serve --accounting-grpc`);
     False: on the admission process's event loop (`-inproc` arms, the layout before)."""
     source: Path | None = None
-    """Run the service from this source tree (PYTHONPATH): the `-before` arms' revision."""
+    """Run the service from this tree (revisions.tree_env): the `-before` arms' revision, the
+    `-compiled` arms' build."""
     latency_delta: str | None = None
     """The tier's δ objective (`latency_delta`, YAML flow text); the arm first sends a few
     quiet requests one at a time, so the gateway learns the alone TTFT."""
@@ -84,6 +85,16 @@ def before_arms(source: Path) -> tuple[Arm, ...]:
     return (
         Arm("room-before", "service", "room", phases=True, source=source),
         Arm("over-before", "service", "over", source=source),
+    )
+
+
+def compiled_arms(source: Path) -> tuple[Arm, ...]:
+    """`alone-compiled`, `room-compiled`, `over-compiled`: our service from the compiled build
+    installed in `source` (`--compiled-src`, scripts/build-compiled.sh)."""
+    return (
+        Arm("alone-compiled", "service", "alone", phases=True, source=source),
+        Arm("room-compiled", "service", "room", phases=True, source=source),
+        Arm("over-compiled", "service", "over", source=source),
     )
 
 

@@ -276,15 +276,21 @@ def bench_stack(
     engine_args: tuple[str, ...] = (),
     extproc_args: tuple[str, ...] = (),
     accounting_process: bool = False,
+    extproc_env: Mapping[str, str] | None = None,
 ) -> Iterator[Gateway]:
     """A `short` and a `long` engine and one arm in front of them:
     `make_policy(short_endpoint, long_endpoint)` gives the policy text; `accounting_process`
-    as `gateway_stack`'s."""
+    and `extproc_env` as `gateway_stack`'s."""
     if arm not in ARMS:
         raise ValueError(f"arm must be one of {ARMS}")
     with engine_set(workdir, {"short": 1, "long": 1}, profile, engine_args) as engines:
         text = make_policy(engines.endpoints["short"][0], engines.endpoints["long"][0])
         with gateway_stack(
-            workdir, text, arm, extproc_args, accounting_process=accounting_process
+            workdir,
+            text,
+            arm,
+            extproc_args,
+            accounting_process=accounting_process,
+            extproc_env=extproc_env,
         ) as gateway:
             yield gateway

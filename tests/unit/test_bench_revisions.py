@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from gateway_lab.bench.revisions import tree_env, tree_of_rev
+from gateway_lab.bench.revisions import check_compiled, tree_env, tree_of_rev
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -39,3 +39,9 @@ def test_python_m_from_the_checkout_runs_the_other_tree(tmp_path: Path) -> None:
     )  # fmt: skip
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == str(package / "__init__.py")
+
+
+def test_a_folder_without_a_compiled_build_is_refused(tmp_path: Path) -> None:
+    """Rather than measuring the source as if it were the compiled build."""
+    with pytest.raises(SystemExit, match="is not compiled there"):
+        check_compiled(tmp_path)
