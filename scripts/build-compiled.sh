@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # A compiled copy of this checkout's runtime, for the benchmarks' compiled arms (a lab tool:
-# the package ships pure Python; docs/benchmarks.md, "Compiling the hot modules, end to end"):
+# the package ships pure Python; docs/benchmarks.md, "The compiled build, end to end"):
 #   bash scripts/build-compiled.sh [DIR]                     (default DIR: .compiled/)
 #   extproc bench overhead --compiled-src .compiled
 #   extproc bench self-overload --compiled-src .compiled --arms alone-straight,room-fifo,room-full,room-compiled

@@ -37,9 +37,16 @@ CPU the two processes' together."""
 COMPILED_ARM = "compiled-child"
 """With `--compiled-src DIR`: `extproc-child` running the compiled build installed in DIR
 (scripts/build-compiled.sh)."""
-OURS = {"extproc": "ours", "extproc-child": "ours_child", COMPILED_ARM: "compiled_child"}
-"""Our arms and their names in the summary."""
-LABELS = {"ours": "in process", "ours_child": "with the child", "compiled_child": "compiled"}
+OURS = {
+    "extproc": ("ours", "in process"),
+    "extproc-child": ("ours_child", "with the child"),
+    COMPILED_ARM: ("compiled_child", "compiled"),
+}
+"""Our arms: their names in the summary and in the printout."""
+
+
+def arm_names(compiled: bool) -> tuple[str, ...]:
+    return (*ARMS, COMPILED_ARM) if compiled else ARMS
 
 
 def bench_policy(short: str, long_: str) -> str:
@@ -189,12 +196,12 @@ def stacks_of(
 ) -> dict[str, Gateway]:
     """The arms' stacks, all up at once (idle while another arm is measured)."""
     stacks: dict[str, Gateway] = {}
-    for arm in (*ARMS, *([COMPILED_ARM] if compiled_src else [])):
+    for arm in arm_names(compiled_src is not None):
         tracker.note(f"[overhead] starting the {arm} stack ({profile})")
         child = arm.endswith("-child")
         where = workdir / f"{profile}-{arm}"
         kind = "extproc" if arm == COMPILED_ARM else arm.removesuffix("-child")
-        env = tree_env(compiled_src) if arm == COMPILED_ARM and compiled_src else None
+        env = tree_env(compiled_src) if compiled_src and arm == COMPILED_ARM else None
         stack = exit_stack.enter_context(
             bench_stack(
                 where, bench_policy, kind, profile, accounting_process=child, extproc_env=env
@@ -213,7 +220,7 @@ def run(out: Path, quick: bool, workdir: Path, compiled_src: Path | None = None)
     bound_loads = [(20, GATEWAY_BOUND_CLIENTS, 3.0 if quick else 8.0)]
     if compiled_src is not None:
         check_compiled(compiled_src)
-    arms = len(ARMS) + (compiled_src is not None)
+    arms = len(arm_names(compiled_src is not None))
     total = planned_seconds(loads, rounds, arms) + planned_seconds(bound_loads, rounds, arms)
     tracker = Progress("overhead", total, unit="s of load")
     with contextlib.ExitStack() as exit_stack:
@@ -299,6 +306,7 @@ def compare(runs: list[dict[str, Any]], levels: tuple[int, ...]) -> dict[str, An
     """Per level: our two layouts' CPU per request and per chunk against the floor's, and
     requests/s; `ours` is the in-process layout, `ours_child` the shipped one."""
     summary: dict[str, Any] = {}
+    present = {r["arm"] for r in runs}
     for level in levels:
         noop_short, noop_long = _find(runs, "noop", 20, level), _find(runs, "noop", 500, level)
         straight_short = _find(runs, "straight", 20, level)
@@ -312,8 +320,7 @@ def compare(runs: list[dict[str, Any]], levels: tuple[int, ...]) -> dict[str, An
                 "floor": noop_short["ttfb_p50_ms"] - straight_short["ttfb_p50_ms"]
             },
         }
-        present = {r["arm"] for r in runs}
-        for arm, name in OURS.items():
+        for arm, (name, _label) in OURS.items():
             if arm not in present:
                 continue
             short, long_ = _find(runs, arm, 20, level), _find(runs, arm, 500, level)
@@ -347,7 +354,7 @@ def print_table(runs: list[dict[str, Any]], summary: dict[str, Any]) -> None:
             figures["rps_20_tokens"],
         )
         print(f"\n{level}:")
-        for name, label in LABELS.items():
+        for name, label in OURS.values():
             if name not in request:
                 continue
             print(

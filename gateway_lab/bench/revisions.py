@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 GIT_TIMEOUT_S = 60.0
+PROBE_TIMEOUT_S = 60.0
 
 
 def tree_of_rev(rev: str, into: Path) -> Path:
@@ -39,7 +40,7 @@ def check_compiled(tree: Path) -> None:
     probe = "import extproc.scheduler.core as m; print(m.__file__)"
     found = subprocess.run(
         [sys.executable, "-c", probe], env=tree_env(tree), capture_output=True, text=True,
-        timeout=GIT_TIMEOUT_S, check=False,
+        timeout=PROBE_TIMEOUT_S, check=False,
     )  # fmt: skip
     if not found.stdout.strip().endswith(".so"):
         raise SystemExit(

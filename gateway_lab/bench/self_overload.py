@@ -499,7 +499,7 @@ def main(args: argparse.Namespace) -> int:
         every = (*every, *compiled_arms(args.compiled_src))
     arms = list(every)
     if args.arms:
-        wanted = [a.strip() for a in args.arms.split(",") if a.strip()]
+        wanted = listed(args.arms)
         known = {a.name: a for a in every}
         unknown = [a for a in wanted if a not in known]
         if unknown:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import pytest
 
@@ -43,10 +43,8 @@ class _SlowStoppingServer:
     scheduler: _Scheduler
     finish_early: bool = False
     after_cancel_s: float = 0.3
-    stops: list[float | None] = field(default_factory=list)
 
     async def stop(self, grace: float | None) -> None:
-        self.stops.append(grace)
         if self.finish_early:
             self.scheduler.leases = 0
             return
