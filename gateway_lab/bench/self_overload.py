@@ -460,7 +460,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_tail_quantile_argument(parser)
     parser.add_argument(
         "--before", metavar="REV",
-        help="also offer the arms room-before and over-before: the service of git revision REV",
+        help="also offer the arms room-before, over-before and <D-arm>-before for each "
+        "objective arm: the service of git revision REV",
     )  # fmt: skip
     parser.add_argument(
         "--compiled-src", type=Path, metavar="DIR",
@@ -489,11 +490,12 @@ def main(args: argparse.Namespace) -> int:
     work = Workload()
     if args.over_rate:
         work = replace(work, over_rate=args.over_rate)
-    tails = listed(args.tail_deltas)
-    every = (*ARMS, *delta_arms(listed(args.first_token_deltas), tails, args.tail_quantile))
+    objectives = delta_arms(listed(args.first_token_deltas), listed(args.tail_deltas),
+                            args.tail_quantile)  # fmt: skip
+    every = (*ARMS, *objectives)
     if args.before:
         source = revisions.tree_of_rev(args.before, scenario.workdir_of(args) / "before-src")
-        every = (*every, *before_arms(source))
+        every = (*every, *before_arms(source, objectives))
     if args.compiled_src:
         revisions.check_compiled(args.compiled_src)
         every = (*every, *compiled_arms(args.compiled_src))

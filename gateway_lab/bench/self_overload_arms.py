@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from extproc.policy import hash_key
@@ -80,11 +80,13 @@ def delta_arms(
     )
 
 
-def before_arms(source: Path) -> tuple[Arm, ...]:
-    """`room-before` and `over-before`: the service of another revision (`--before REV`)."""
+def before_arms(source: Path, objective_arms: Sequence[Arm] = ()) -> tuple[Arm, ...]:
+    """`room-before`, `over-before` and, for each of `objective_arms`, `<its name>-before`:
+    the service of another revision (`--before REV`), with the same policy."""
     return (
         Arm("room-before", "service", "room", phases=True, source=source),
         Arm("over-before", "service", "over", source=source),
+        *(replace(arm, name=f"{arm.name}-before", source=source) for arm in objective_arms),
     )
 
 

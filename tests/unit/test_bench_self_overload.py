@@ -30,6 +30,7 @@ from gateway_lab.bench.self_overload import (
     delta_arms,
     policy_text,
 )
+from gateway_lab.bench.self_overload_arms import before_arms
 from gateway_lab.bench.stack import cpu_seconds
 from gateway_lab.processes import envoy_binary
 
@@ -177,6 +178,17 @@ def test_delta_arms_write_their_objective() -> None:
     delta = policy.source.tier_options["standard"].latency_delta
     assert delta == LatencyDelta(every_token=0.015, quantile=0.95)
     assert policy_from_text(policy_text("127.0.0.1:1")).source.tier_options == {}
+
+
+def test_before_arms_copy_each_objective_arm_onto_the_other_tree(tmp_path: Path) -> None:
+    objectives = delta_arms(["20ms"])
+    arms = {arm.name: arm for arm in before_arms(tmp_path, objectives)}
+    assert set(arms) == {"room-before", "over-before", "room-first-20ms-before",
+                         "over-first-20ms-before"}  # fmt: skip
+    for arm in objectives:
+        copy = arms[f"{arm.name}-before"]
+        assert copy.source == tmp_path and copy.latency_delta == arm.latency_delta
+        assert copy.load == arm.load and arm.source is None
 
 
 def test_each_named_process_is_charged_once(tmp_path: Path) -> None:
