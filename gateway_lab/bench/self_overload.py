@@ -209,6 +209,11 @@ async def drive(
         return result
 
 
+ONSET_S = 10.0
+"""The quiet requests sent in the flood's first seconds (the warm-up included) are its onset:
+what a controller lets in before its first samples is still in the engines then."""
+
+
 def summarize(
     arm: Arm,
     records: list[Record],
@@ -225,11 +230,14 @@ def summarize(
         name: (cpu["end"][name] - cpu["start"].get(name, 0.0)) / timing.measure_s
         for name in cpu.get("end", {})
     }
+    onset_end = began + ONSET_S
     return {
         "arm": arm.name,
         "front": arm.front,
         "load": arm.load,
         "quiet": {**ttft_stats(quiet), "status": answers(quiet)},
+        "quiet_onset": ttft_stats(within(records, "quiet", began, onset_end)),
+        "quiet_after_onset": ttft_stats(within(records, "quiet", onset_end, end)),
         "quiet_failed": sum(1 for r in quiet if r.status != 200 or r.censored),
         "flooder": {**ttft_stats(flooder), "status": answers(flooder)},
         "flooder_output_tok_s": sum(r.output_tokens for r in flooder) / timing.measure_s,
@@ -368,12 +376,27 @@ def print_table(summary: dict[str, Any], results: dict[str, dict[str, Any]]) -> 
             f"{row['quiet_failed']:>6} {fmt(row['flooder_output_tok_s'], 0):>11}  "
             f"{row['flooder_status'] or '-'} / {cpu}"
         )
+    print_onset(results)
     phased = {n: r["phases"] for n, r in results.items() if "phases" in r}
     phases.print_breakdown(phased)
     reply_probe.print_door(results)
     print("\ntargets:")
     for target, met in summary["targets"].items():
         print(f"  {target}: {'met' if met else 'NOT met'}")
+
+
+def print_onset(results: dict[str, dict[str, Any]]) -> None:
+    """The quiet tenant's first chunk in the flood's first ONSET_S seconds and after them."""
+    loaded = {n: r for n, r in results.items() if r["load"] != "alone" and "quiet_onset" in r}
+    if not loaded:
+        return
+    print(f"\nquiet TTFT in the flood's first {ONSET_S:.0f} s (warm-up included) and after:")
+    print(f"{'arm':24} {'onset n':>7} {'p50':>9} {'max':>9} {'after n':>7} {'p50':>9} {'p99':>9}")
+    for name, r in loaded.items():
+        onset, after = r["quiet_onset"], r["quiet_after_onset"]
+        onset_ms = f"{fmt(onset['p50_ms']):>7}ms {fmt(onset['max_ms']):>7}ms"
+        after_ms = f"{fmt(after['p50_ms']):>7}ms {fmt(after['p99_ms']):>7}ms"
+        print(f"{name:24} {onset['count']:>7} {onset_ms} {after['count']:>7} {after_ms}")
 
 
 def plot(results: dict[str, dict[str, Any]], summary: dict[str, Any], path: Path) -> None:

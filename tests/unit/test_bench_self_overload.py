@@ -22,13 +22,16 @@ from extproc.policy.model import LatencyDelta
 from gateway_lab.bench import phases
 from gateway_lab.bench.cores import descendants, group_cpu, pin, split_cores
 from gateway_lab.bench.kvwarden_front import Bucket, config_text
+from gateway_lab.bench.records import Record
 from gateway_lab.bench.self_overload import (
     ARMS,
     KVWARDEN_WORKLOAD_TARGET,
     CompletionSpec,
+    Timing,
     compare,
     delta_arms,
     policy_text,
+    summarize,
 )
 from gateway_lab.bench.self_overload_arms import before_arms
 from gateway_lab.bench.stack import cpu_seconds
@@ -189,6 +192,26 @@ def test_before_arms_copy_each_objective_arm_onto_the_other_tree(tmp_path: Path)
         copy = arms[f"{arm.name}-before"]
         assert copy.source == tmp_path and copy.latency_delta == arm.latency_delta
         assert copy.load == arm.load and arm.source is None
+
+
+def test_the_floods_onset_is_summarized_apart_from_what_follows() -> None:
+    """Quiet requests sent in the flood's first ONSET_S seconds (the warm-up included) are
+    the onset; the rest of the window is after it."""
+    timing = Timing(warmup_s=3.0, measure_s=20.0, grace_s=0.0)
+    began = 5.0  # after the priming requests
+    records = [
+        Record("quiet", began - 1.0, 200, 0.03, began, 10, 64, 0.1),  # priming: in neither
+        Record("quiet", began + 1.0, 200, 0.5, began + 2.0, 10, 64, 0.1),
+        Record("quiet", began + 8.0, 200, 0.3, began + 9.0, 10, 64, 0.1),
+        Record("quiet", began + 12.0, 200, 0.04, began + 13.0, 10, 64, 0.1),
+        Record("quiet", began + 22.0, 200, 0.05, began + 23.0, 10, 64, 0.1),
+    ]
+    result = summarize(ARMS[0], records, timing, {}, began)
+    assert result["quiet_onset"]["count"] == 2
+    assert result["quiet_onset"]["max_ms"] == pytest.approx(500.0)
+    assert result["quiet_after_onset"]["count"] == 2
+    assert result["quiet_after_onset"]["max_ms"] == pytest.approx(50.0)
+    assert result["quiet"]["count"] == 3  # the measured window starts after the warm-up
 
 
 def test_each_named_process_is_charged_once(tmp_path: Path) -> None:
