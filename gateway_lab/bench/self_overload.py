@@ -327,17 +327,29 @@ def compare(results: dict[str, dict[str, Any]]) -> dict[str, Any]:
             room["p99_x_solo"] <= TARGET_ROOM_OF_FIFO * room_fifo["p99_x_solo"]
             and room["p50_x_solo"] <= TARGET_ROOM_OF_FIFO * room_fifo["p50_x_solo"]
         )
-    over = results.get("over-full")
-    if over:
-        seen = set(over["flooder"]["status"])
-        targets["over_quiet_p99<=2x_solo"] = rows["over-full"]["p99_x_solo"] <= 2.0
-        targets["over_zero_failed_quiet"] = over["quiet_failed"] == 0
-        targets["over_flooder_only_200_429_503_with_retry_after"] = (
-            seen <= {"200", "429", "503", "cut"}
-            and over["flooder_refused_without_retry_after"] == 0
-        )
+    for name, result in results.items():
+        # Issue 16's table names the default policy (`over-full`); the other arms of ours
+        # above capacity (an objective, another revision) are judged alike, under their name.
+        if name.startswith("over-") and result.get("front", "service") == "service":
+            suffix = "" if name == "over-full" else f":{name}"
+            for target, met in over_targets(result, rows[name]).items():
+                targets[target + suffix] = met
     targets.update(kvwarden_workload_targets(rows))
     return {"rows": rows, "targets": targets}
+
+
+def over_targets(result: dict[str, Any], row: dict[str, Any]) -> dict[str, bool]:
+    """Issue 16 above the engine's capacity: the quiet P99 within 2x solo, no quiet request
+    failed, and the flooder answered only 200, or 429 / 503 with Retry-After."""
+    seen = set(result["flooder"]["status"])
+    return {
+        "over_quiet_p99<=2x_solo": row["p99_x_solo"] <= TARGET_OVER_P99_RATIO,
+        "over_zero_failed_quiet": result["quiet_failed"] == 0,
+        "over_flooder_only_200_429_503_with_retry_after": (
+            seen <= {"200", "429", "503", "cut"}
+            and result["flooder_refused_without_retry_after"] == 0
+        ),
+    }
 
 
 TARGET_KVWARDEN_P99_RATIO = 1.10

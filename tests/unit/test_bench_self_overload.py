@@ -131,6 +131,8 @@ def test_targets_read_from_the_arms() -> None:
             "alone-straight": arm(30.0, 40.0),
             "alone-service": arm(30.8, 42.0),
             "over-full": arm(50.0, 90.0, 0, {"200": 10, "504": 1}),
+            "over-first-20ms": arm(45.0, 70.0, 0, {"200": 10, "429": 5, "cut": 2}),
+            "over-kvwarden": {**arm(45.0, 60.0), "front": "kvwarden"},
         }
     )
     targets = summary["targets"]
@@ -138,6 +140,10 @@ def test_targets_read_from_the_arms() -> None:
     assert not targets["over_quiet_p99<=2x_solo"]  # 90 / 40 = 2.25
     assert targets["over_zero_failed_quiet"]
     assert not targets["over_flooder_only_200_429_503_with_retry_after"]  # a 504
+    # another arm of ours above capacity is judged alike, under its name; a peer's is not
+    assert targets["over_quiet_p99<=2x_solo:over-first-20ms"]  # 70 / 40
+    assert targets["over_flooder_only_200_429_503_with_retry_after:over-first-20ms"]
+    assert not any(key.endswith(":over-kvwarden") for key in targets)
     assert {a.name for a in ARMS} >= {"alone-straight", "over-full", "over-kvwarden"}
 
 
