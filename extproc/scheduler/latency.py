@@ -57,11 +57,6 @@ _KEEP = math.pow(0.5, 1.0 / SAMPLE_HALFLIFE)
 
 MIN_FACTOR = 0.05
 DECREASE = 0.7
-"""The cut of a sample that misses its objective by less than 1 / DECREASE (~1.4x)."""
-DEEPEST_CUT = 0.25
-"""The deepest cut one sample makes, however large its miss: one sample may be an outlier (a
-slow engine step, a pause of this host), and the engines answer a cut only once the work in
-flight drains, so the next samples still show the old load."""
 COOLDOWN_S = 0.5
 INCREASE_PER_S = 0.2
 MAX_INCREASE_STEP_S = 0.5
@@ -176,12 +171,6 @@ class TenantDelta:
         return {"ttft": self.ttft.describe(now), "tokens": self.tokens.describe(now)}
 
 
-def miss_cut(lag_s: float, objective_s: float) -> float:
-    """The factor a late sample multiplies f by: objective / lag, within [DEEPEST_CUT,
-    DECREASE]."""
-    return min(DECREASE, max(DEEPEST_CUT, objective_s / lag_s))
-
-
 class DeltaController:
     """The backlogged tenants' factor of one pool (see the module docstring)."""
 
@@ -216,7 +205,7 @@ class DeltaController:
         elif lag_s > objective_s:
             self.violations += 1
             if now - self._decreased_at >= COOLDOWN_S:
-                self.factor = max(MIN_FACTOR, self.factor * miss_cut(lag_s, objective_s))
+                self.factor = max(MIN_FACTOR, self.factor * DECREASE)
                 self._decreased_at = now
         elif lag_s < objective_s / 2 and last is not None:
             step = min(MAX_INCREASE_STEP_S, max(0.0, now - last))

@@ -14,11 +14,9 @@ from extproc.scheduler import Admission, ManualClock, Scheduler, Ticket
 from extproc.scheduler.latency import (
     COOLDOWN_S,
     DECREASE,
-    DEEPEST_CUT,
     MIN_FACTOR,
     QUANTILE_GAIN,
     DeltaController,
-    miss_cut,
 )
 
 
@@ -69,13 +67,12 @@ def test_ttft_delta_is_published_and_a_violation_tightens_the_backlogged_share()
     assert snapshot["tenants"]["quiet"]["latency_delta"]["ttft"]["mean_s"] == pytest.approx(0.25)
     assert snapshot["tenants"]["flood"]["latency_delta"] is None  # no first token yet
     pool = snapshot["pools"]["p"]
-    # 250 ms late against 100 ms asked: the cut is the miss, 100 / 250
-    assert pool["delta_factor"] == pytest.approx(0.4) and pool["delta_violations"] == 1
-    # backlogged requests now go only below 0.4 x the soft limit of 6: 2 in flight
-    for admission in flood[:5]:
+    assert pool["delta_factor"] == pytest.approx(DECREASE) and pool["delta_violations"] == 1
+    # backlogged requests now go only below 0.7 x the soft limit of 6: 4 in flight
+    for admission in flood[:3]:
         sched.release(admission.lease.lease_id)
-    assert sched.dispatch() == []  # 1 flood + quiet = 2
-    sched.release(flood[5].lease.lease_id)
+    assert sched.dispatch() == []  # 3 flood + quiet = 4
+    sched.release(flood[3].lease.lease_id)
     assert [a.ticket.tenant for a in sched.dispatch()] == ["flood"]
     assert sched.dispatch() == []
 
@@ -124,10 +121,10 @@ def test_token_delta_from_the_alone_step() -> None:
 
 def test_the_controller_cuts_once_per_cooldown_and_opens_with_slack() -> None:
     control = DeltaController()
-    control.observe(0.12, 0.1, 10.0)
-    control.observe(0.12, 0.1, 10.0 + COOLDOWN_S / 2)
+    control.observe(0.5, 0.1, 10.0)
+    control.observe(0.5, 0.1, 10.0 + COOLDOWN_S / 2)
     assert control.factor == pytest.approx(DECREASE) and control.violations == 2
-    control.observe(0.12, 0.1, 10.0 + COOLDOWN_S)
+    control.observe(0.5, 0.1, 10.0 + COOLDOWN_S)
     assert control.factor == pytest.approx(DECREASE**2)
     before = control.factor
     control.observe(0.01, 0.1, 11.0)  # slack: raised by the time since the last sample
@@ -137,25 +134,6 @@ def test_the_controller_cuts_once_per_cooldown_and_opens_with_slack() -> None:
     assert control.factor == 1.0 and control.limit(24) == 24
     control.factor = 0.01
     assert control.limit(24) == 1  # one backlogged request can always go
-
-
-def test_a_cut_is_the_size_of_the_miss_within_bounds() -> None:
-    """objective / lag: a near miss still cuts by DECREASE, a huge one by DEEPEST_CUT."""
-    assert miss_cut(0.11, 0.1) == DECREASE
-    assert miss_cut(0.2, 0.1) == pytest.approx(0.5)
-    assert miss_cut(0.4, 0.1) == pytest.approx(0.25)
-    assert miss_cut(50.0, 0.1) == DEEPEST_CUT
-
-
-def test_a_flood_closes_the_pool_in_samples_not_seconds() -> None:
-    """A light tenant suddenly 2 s late against a 20 ms objective (a flood's onset): three
-    samples take f to its floor, where a fixed x0.7 cut needed nine."""
-    control = DeltaController()
-    for sample in range(3):
-        control.observe(2.0, 0.02, 10.0 + sample)
-        assert control.factor == pytest.approx(max(MIN_FACTOR, DEEPEST_CUT ** (sample + 1)))
-    assert control.factor == MIN_FACTOR
-    assert math.ceil(math.log(MIN_FACTOR) / math.log(DECREASE)) == 9
 
 
 def test_delta_and_pacing_are_exported_as_metrics() -> None:
@@ -172,7 +150,7 @@ def test_delta_and_pacing_are_exported_as_metrics() -> None:
     sample = metrics.registry.get_sample_value
     labels = {"tenant": "quiet", "kind": "ttft"}
     assert sample("extproc_tenant_latency_delta_seconds", labels) == pytest.approx(0.25)
-    assert sample("extproc_pool_delta_factor", {"pool": "p"}) == pytest.approx(0.4)
+    assert sample("extproc_pool_delta_factor", {"pool": "p"}) == pytest.approx(DECREASE)
     # the six flooder requests dispatched have not shown a first token: 600 prompt tokens
     assert sample("extproc_pool_prefilling_tokens", {"pool": "p"}) == 600
 
@@ -345,11 +323,11 @@ def test_the_quantile_rule_settles_where_one_minus_q_of_the_samples_exceed(
 ) -> None:
     """What a P90 or P99 objective means: the long-run share of samples above it, at one
     sample a second or ten. The AIMD rule (no quantile) settles far above either at one a
-    second (and its share depends on the rate and on the size of the misses)."""
+    second (and its share depends on the rate)."""
     assert _violating_share(0.9, shape, per_s, 40_000) == pytest.approx(0.10, abs=0.02)
     assert _violating_share(0.99, shape, per_s, 40_000) == pytest.approx(0.01, abs=0.004)
     if per_s == 1:
-        assert _violating_share(None, shape, per_s, 40_000) > 0.18
+        assert _violating_share(None, shape, per_s, 40_000) > 0.25
 
 
 def test_a_tiers_quantile_reaches_the_pools_controller() -> None:
