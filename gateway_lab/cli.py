@@ -57,6 +57,10 @@ BENCH_SCENARIOS = {
         "kvwarden's published per-request CSVs: the tail over the whole run vs after a warm-up",
     ),
     "idle-cpu": ("idle_cpu", "CPU of an idle service: the overload monitor on, off, and before"),
+    "frontier": (
+        "frontier",
+        "noisy neighbour in the simulator: quiet P99 TTFT vs throughput per lever, no host noise",
+    ),
     "self-overload": (
         "self_overload",
         "a quiet tenant while the gateway itself is overloaded; kvwarden peer; phase timings",

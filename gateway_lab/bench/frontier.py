@@ -1,0 +1,388 @@
+"""The noisy-neighbour trade-off without the host (`extproc bench frontier`): the quiet
+tenant's P99 time to first token against total throughput, one curve per lever, traced in
+the simulator.
+
+The live benchmark (`extproc bench noisy-neighbour`) runs ~60 quiet requests per arm on a
+shared 2-core machine, so one slow request moves its P99 by a third and one run does not
+place an arm on the curve. Here the same scheduler the service runs and the same engine model
+the emulated engine runs (gateway_lab/sim: `Scheduler`, `EngineCore`, one a100-llama3-8b
+engine with vLLM's priority policy, as the shipped pools run it) replay the noisy-neighbour
+workload in simulated time, so every point is exact for its seed and a sweep takes seconds.
+
+Workload (gateway_lab/bench/noisy.py's, open loop): the quiet tenant at 3 requests/s
+(Poisson, 200-token prompts, 64 output tokens); the flooder Poisson above the engine's
+capacity (9 requests/s by default), prompts uniform in 512..1,536 tokens and outputs in
+128..384. Points:
+
+* `fifo`: no limit at the door; the engine queues first come, first served;
+* `door-N`: a static limit of N requests at the door for backlogged tenants (light ones get
+  8 more, the headroom), for each N of `--limits`;
+* `paced-N`: the same with prefill pacing (`prefill_budget_tokens`, `--prefill-budget`);
+* `steps-N`: the same on an engine with smaller steps (`max_num_batched_tokens`,
+  `--step-tokens`).
+
+Per point: the quiet tenant's TTFT P50 / P99 and P99 of its per-response time per output
+token, each as a ratio to the quiet tenant alone in the simulator (the same requests, no
+flooder), and the output tokens/s of both tenants in the window against FIFO's. (The
+simulator keeps one time per response, not every gap, so the every-gap P99 of the live
+benchmark is not here; TPOT averages a response.) Issue 15's target region is P99 TTFT <= 2x
+and P99 inter-token <= 1.5x at >= 95% of FIFO's throughput.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+from extproc.policy import policy_from_text
+from gateway_lab.bench import scenario
+from gateway_lab.bench.monitor import log
+from gateway_lab.bench.noisy_isolation import listed
+from gateway_lab.bench.records import percentile
+from gateway_lab.bench.stats import fmt
+from gateway_lab.engine.profiles import EngineProfile, get_profile
+from gateway_lab.sim.fleet import PoolEngines
+from gateway_lab.sim.records import RequestRecord
+from gateway_lab.sim.simulator import SimConfig, simulate
+from gateway_lab.sim.trace import TraceRequest
+
+NAME = "frontier"
+DEFAULT_OUT = Path("results/frontier")
+PROFILE = "a100-llama3-8b"
+HEADROOM = 8
+DEFAULT_LIMITS = (4, 8, 16, 32, 64, 96, 128, 192, 248)
+DEFAULT_DELTAS = ("100ms", "300ms", "1s")
+DEFAULT_TAIL_DELTAS = ("100ms", "300ms")
+DELTA_PREFILL_BUDGET = 4096
+"""The δ points' prefill budget when the paced curve is off (the live arms' default)."""
+TARGET_TTFT_RATIO = 2.0
+TARGET_TPOT_RATIO = 1.5
+TARGET_THROUGHPUT = 0.95
+
+
+@dataclass(frozen=True)
+class Workload:
+    quiet_rate: float = 3.0
+    quiet_prompt: int = 200
+    quiet_output: int = 64
+    flooder_rate: float = 9.0
+    flooder_prompt: tuple[int, int] = (512, 1536)
+    flooder_output: tuple[int, int] = (128, 384)
+    flooder_start_s: float = 10.0
+    """The quiet tenant alone first, so the δ controller learns what alone is (the live
+    arms send priming requests for the same reason)."""
+    warmup_s: float = 50.0
+    measure_s: float = 120.0
+    grace_s: float = 15.0
+    """Quiet requests still without a first token this long after the window count with
+    their wait so far (a lower bound)."""
+
+    def requests(self, seed: int, flooder: bool = True) -> list[TraceRequest]:
+        rng = random.Random(seed)
+        end = self.warmup_s + self.measure_s
+        out = [
+            TraceRequest(at, self.quiet_prompt, self.quiet_output, "quiet")
+            for at in _poisson(rng, self.quiet_rate, end)
+        ]
+        if flooder:
+            out += [
+                TraceRequest(
+                    self.flooder_start_s + at,
+                    rng.randint(*self.flooder_prompt),
+                    rng.randint(*self.flooder_output),
+                    "flooder",
+                )
+                for at in _poisson(rng, self.flooder_rate, end - self.flooder_start_s)
+            ]
+        return sorted(out, key=lambda request: request.at)
+
+
+def _poisson(rng: random.Random, rate: float, end: float) -> list[float]:
+    times, at = [], rng.expovariate(rate)
+    while at < end:
+        times.append(at)
+        at += rng.expovariate(rate)
+    return times
+
+
+@dataclass(frozen=True)
+class Point:
+    name: str
+    curve: str
+    limit: int | None
+    """Requests at the door for backlogged tenants (None: no limit, FIFO)."""
+    prefill_budget: int = 0
+    step_tokens: int | None = None
+    latency_delta: str | None = None
+    """The tier's δ objective (YAML flow text): the controller scales the limit and the
+    prefill budget for backlogged tenants."""
+
+
+def policy_text(point: Point) -> str:
+    fifo = point.limit is None
+    inflight = 1_000_000 if point.limit is None else point.limit + HEADROOM
+    objective = (
+        f"tier_options: {{standard: {{latency_delta: {point.latency_delta}}}}}\n"
+        if point.latency_delta
+        else ""
+    )
+    return f"""\
+version: 1
+tiers: [standard]
+{objective}tenants:
+  quiet: {{tier: standard, limits: {{max_queued: 1000000}}}}
+  flooder: {{tier: standard, limits: {{max_queued: 1000000}}}}
+pools:
+  p: {{max_total_tokens: 131072, max_inflight: {inflight}, headroom: {0 if fifo else HEADROOM},
+       max_inflight_tokens: 1000000000000, endpoints: ["127.0.0.1:1"],
+       adaptive: {{enabled: false}}, prefill_budget_tokens: {point.prefill_budget},
+       engine_priority: {"false" if fifo else "true"}}}
+"""
+
+
+def engine_profile(point: Point) -> EngineProfile:
+    """The shipped pools' priority policy; FIFO is the engine's own first come, first served."""
+    policy = "fcfs" if point.limit is None else "priority"
+    profile = get_profile(PROFILE).with_overrides({"scheduling_policy": policy})
+    if point.step_tokens is not None:
+        profile = profile.with_overrides({"max_num_batched_tokens": point.step_tokens})
+    return profile
+
+
+def tokens_within(records: Sequence[RequestRecord], start: float, end: float, now: float) -> float:
+    """Output tokens generated in [start, end): each response's tokens spread evenly from its
+    first token to its last (or to `now`, when the run stopped it)."""
+    total = 0.0
+    for record in records:
+        if record.first_token_at is None or record.generated == 0:
+            continue
+        first, last = record.first_token_at, record.finished_at or now
+        if last <= first:
+            total += record.generated if start <= first < end else 0
+            continue
+        overlap = max(0.0, min(end, last) - max(start, first))
+        total += record.generated * overlap / (last - first)
+    return total
+
+
+def measure(point: Point, work: Workload, seed: int, flooder: bool = True) -> dict[str, Any]:
+    start, end = work.warmup_s, work.warmup_s + work.measure_s
+    stop = end + work.grace_s
+    config = SimConfig(
+        policy_from_text(policy_text(point)),
+        {"p": PoolEngines("p", engine_profile(point), 1)},
+        time_limit=stop,
+    )
+    result = simulate(work.requests(seed, flooder), config)
+    quiet = [r for r in result.records if r.tenant == "quiet" and start <= r.arrival < end]
+    ttft = [stop - r.arrival if r.ttft is None else r.ttft for r in quiet]
+    tpot = [r.tpot for r in quiet if r.tpot is not None]
+    return {
+        "point": point.name,
+        "curve": point.curve,
+        "limit": point.limit,
+        "quiet_requests": len(quiet),
+        "quiet_without_first_token": sum(1 for r in quiet if r.ttft is None),
+        "ttft_p50_ms": percentile(ttft, 50) * 1000.0,
+        "ttft_p99_ms": percentile(ttft, 99) * 1000.0,
+        "tpot_p99_ms": percentile(tpot, 99) * 1000.0,
+        "output_tok_s": tokens_within(result.records, start, end, result.end_time) / work.measure_s,
+    }
+
+
+def points(
+    limits: Sequence[int], prefill_budget: int, step_tokens: Sequence[int],
+    deltas: Sequence[str] = (), tail_deltas: Sequence[str] = (),
+) -> list[Point]:  # fmt: skip
+    out = [Point("fifo", "fifo", None)]
+    out += [Point(f"door-{n}", "door limit", n) for n in limits]
+    if prefill_budget:
+        out += [
+            Point(f"paced-{n}", f"door limit, paced {prefill_budget}", n, prefill_budget)
+            for n in limits
+        ]
+    for tokens in step_tokens:
+        out += [
+            Point(f"steps{tokens}-{n}", f"door limit, {tokens}-token steps", n, 0, tokens)
+            for n in limits
+        ]
+    top, budget = max(limits), prefill_budget or DELTA_PREFILL_BUDGET
+    objectives = [
+        *((f"delta-{d}", "δ objective", f"{{every_token: {d}}}") for d in deltas),
+        *((f"tail-{d}", "δ objective at P99", f"{{every_token: {d}, quantile: 0.99}}")
+          for d in tail_deltas),
+    ]  # fmt: skip
+    out += [
+        Point(name, f"{curve} (paced {budget}, limit {top})", top, budget, latency_delta=text)
+        for name, curve, text in objectives
+    ]
+    return out
+
+
+def ratios(rows: list[dict[str, Any]], solo: dict[str, Any]) -> dict[str, Any]:
+    """Each point's ratios to solo and to FIFO, and where the target region is reached."""
+    fifo = next(row for row in rows if row["point"] == "fifo")
+    for row in rows:
+        row["ttft_p50_x"] = row["ttft_p50_ms"] / solo["ttft_p50_ms"]
+        row["ttft_p99_x"] = row["ttft_p99_ms"] / solo["ttft_p99_ms"]
+        row["tpot_p99_x"] = row["tpot_p99_ms"] / solo["tpot_p99_ms"]
+        row["of_fifo"] = row["output_tok_s"] / fifo["output_tok_s"]
+    busy = [row for row in rows if row["of_fifo"] >= TARGET_THROUGHPUT]
+    held = [
+        row
+        for row in rows
+        if row["ttft_p99_x"] <= TARGET_TTFT_RATIO and row["tpot_p99_x"] <= TARGET_TPOT_RATIO
+    ]
+    best_busy = min(busy, key=lambda row: row["ttft_p99_x"], default=None)
+    best_held = max(held, key=lambda row: row["of_fifo"], default=None)
+    return {
+        "met": any(row in held for row in busy),
+        "best_p99_at_95pct": None if best_busy is None else best_busy["point"],
+        "most_throughput_within_latency_targets": None if best_held is None else best_held["point"],
+    }
+
+
+def print_table(report: dict[str, Any]) -> None:
+    solo = report["solo"]
+    print(
+        f"\nsolo (quiet alone): TTFT p50 {fmt(solo['ttft_p50_ms'])} ms, p99 "
+        f"{fmt(solo['ttft_p99_ms'])} ms, TPOT p99 {fmt(solo['tpot_p99_ms'])} ms"
+    )
+    header = f"{'TTFT p50 x':>10} {'p99 x':>7} {'TPOT99 x':>8} {'tok/s':>7} {'vs FIFO':>7}"
+    print(f"\n{'point':16} {header}")
+    for row in report["rows"]:
+        print(
+            f"{row['point']:16} {fmt(row['ttft_p50_x'], 2):>10} {fmt(row['ttft_p99_x'], 2):>7} "
+            f"{fmt(row['tpot_p99_x'], 2):>8} {fmt(row['output_tok_s'], 0):>7} "
+            f"{row['of_fifo']:>7.0%}"
+        )
+    found = report["summary"]
+    print(
+        f"\ntarget (P99 TTFT <= {TARGET_TTFT_RATIO}x and P99 TPOT <= {TARGET_TPOT_RATIO}x solo "
+        f"at >= {TARGET_THROUGHPUT:.0%} of FIFO): {'met' if found['met'] else 'NOT met'}"
+    )
+    print(f"best P99 TTFT at >= 95% of FIFO: {_described(report, found['best_p99_at_95pct'])}")
+    print(
+        "most throughput within both latency targets: "
+        f"{_described(report, found['most_throughput_within_latency_targets'])}"
+    )
+
+
+def _described(report: dict[str, Any], name: str | None) -> str:
+    if name is None:
+        return "none"
+    row = next(row for row in report["rows"] if row["point"] == name)
+    return (
+        f"{name} ({row['ttft_p99_x']:.2f}x TTFT, {row['tpot_p99_x']:.2f}x TPOT, "
+        f"{row['of_fifo']:.0%} of FIFO)"
+    )
+
+
+def plot(report: dict[str, Any], path: Path) -> None:
+    from gateway_lab.bench.figures import pyplot, save_figure
+
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(8, 5))
+    curves: dict[str, list[dict[str, Any]]] = {}
+    for row in report["rows"]:
+        curves.setdefault(row["curve"], []).append(row)
+    for curve, rows in curves.items():
+        marker = "s" if curve == "fifo" else "o"
+        ax.plot(
+            [100 * r["of_fifo"] for r in rows], [r["ttft_p99_x"] for r in rows],
+            marker=marker, label=curve,
+        )  # fmt: skip
+    ax.axhline(TARGET_TTFT_RATIO, color="grey", linestyle="--", linewidth=1)
+    ax.axvline(100 * TARGET_THROUGHPUT, color="grey", linestyle="--", linewidth=1)
+    ax.set_yscale("log")
+    ax.set_xlabel("total output tokens/s, % of FIFO")
+    ax.set_ylabel("quiet P99 TTFT / solo (log)")
+    ax.set_title("noisy neighbour in the simulator (the target: below and right of the lines)")
+    ax.legend()
+    save_figure(fig, path)
+
+
+def run(
+    out: Path, work: Workload, limits: Sequence[int], prefill_budget: int,
+    step_tokens: Sequence[int], seed: int, deltas: Sequence[str] = (),
+    tail_deltas: Sequence[str] = (),
+) -> dict[str, Any]:  # fmt: skip
+    began = time.perf_counter()
+    solo = measure(Point("solo", "solo", None), work, seed, flooder=False)
+    rows = []
+    for point in points(limits, prefill_budget, step_tokens, deltas, tail_deltas):
+        rows.append(measure(point, work, seed))
+        log(NAME, f"{point.name}: {fmt(rows[-1]['ttft_p99_ms'])} ms P99 TTFT, "
+                           f"{fmt(rows[-1]['output_tok_s'], 0)} tok/s")  # fmt: skip
+    report = {
+        "scenario": NAME,
+        "profile": PROFILE,
+        "engine_policy": "priority",
+        "workload": work.__dict__,
+        "seed": seed,
+        "solo": solo,
+        "rows": rows,
+        "summary": ratios(rows, solo),
+        "wall_s": time.perf_counter() - began,
+    }
+    scenario.save_results(
+        out, report, "frontier.png", lambda path: plot(report, path),
+        lambda: print_table(report),
+    )  # fmt: skip
+    return report
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    parser.add_argument("--quick", action="store_true", help="a short smoke run")
+    parser.add_argument("--measure", type=float, help="simulated seconds measured (120)")
+    parser.add_argument(
+        "--limits", default=",".join(map(str, DEFAULT_LIMITS)),
+        help="door limits of the swept points (default %(default)s)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--prefill-budget", type=int, default=1024,
+        help="prompt tokens prefilling of the paced-N points (0: no paced curve)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--step-tokens", default="512",
+        help="engine max_num_batched_tokens of the stepsT-N curves (comma-separated; '' none)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--deltas", default=",".join(DEFAULT_DELTAS),
+        help="every-token δ objectives of the delta-D points ('' none; default %(default)s)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--tail-deltas", default=",".join(DEFAULT_TAIL_DELTAS),
+        help="the same at P99 (quantile 0.99), the tail-D points (default %(default)s)",
+    )  # fmt: skip
+    parser.add_argument("--flooder-rate", type=float, default=Workload.flooder_rate)
+    parser.add_argument("--seed", type=int, default=7)
+
+
+def main(args: argparse.Namespace) -> int:
+    work = Workload(flooder_rate=args.flooder_rate)
+    if args.quick:
+        work = replace(work, flooder_start_s=5.0, warmup_s=15.0, measure_s=20.0)
+    if args.measure:
+        work = replace(work, measure_s=args.measure)
+    limits = [int(n) for n in listed(args.limits)]
+    steps = [int(n) for n in listed(args.step_tokens)]
+    if not limits or any(n < 1 for n in [*limits, *steps]):
+        raise SystemExit("--limits needs at least one; --limits and --step-tokens are positive")
+    run(
+        args.out, work, limits, args.prefill_budget, steps, args.seed,
+        listed(args.deltas), listed(args.tail_deltas),
+    )  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(
+        scenario.script_main(f"gateway_lab.bench.{NAME}", __doc__, add_arguments, main)
+    )

@@ -1,0 +1,73 @@
+"""`extproc bench frontier` (gateway_lab/bench/frontier.py): the noisy-neighbour trade-off
+traced in the simulator."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from extproc.policy import policy_from_text
+from gateway_lab.bench.frontier import (
+    Point,
+    Workload,
+    engine_profile,
+    points,
+    policy_text,
+    run,
+    tokens_within,
+)
+from gateway_lab.sim.records import RequestRecord
+
+
+def _record(first: float | None, last: float | None, generated: int) -> RequestRecord:
+    record = RequestRecord(0, "r0", "t", 0.0, 10, generated, generated)
+    record.first_token_at, record.finished_at, record.generated = first, last, generated
+    return record
+
+
+def test_tokens_are_spread_over_each_responses_own_span() -> None:
+    records = [
+        _record(0.0, 10.0, 100),  # half of it in [5, 15)
+        _record(6.0, None, 40),  # still running at 16: 9 of its 10 s are in the window
+        _record(2.0, 2.0, 7),  # one instant, before the window
+        _record(None, None, 0),  # no token yet
+    ]
+    assert tokens_within(records, 5.0, 15.0, now=16.0) == pytest.approx(50.0 + 36.0)
+
+
+def test_every_kind_of_point_is_a_valid_policy_and_fifo_has_no_door() -> None:
+    every = points([8, 64], 1024, [512], ["300ms"], ["100ms"])
+    names = [p.name for p in every]
+    assert names[0] == "fifo" and "paced-64" in names and "steps512-8" in names
+    assert {"delta-300ms", "tail-100ms"} <= set(names)
+    for point in every:
+        policy = policy_from_text(policy_text(point), f"{point.name}.yaml")
+        pool = policy.source.pools["p"]
+        if point.limit is None:
+            assert not pool.engine_priority
+            assert engine_profile(point).scheduling_policy == "fcfs"
+        else:
+            assert pool.engine_priority and pool.max_inflight == point.limit + 8
+            assert engine_profile(point).scheduling_policy == "priority"
+    tail = next(p for p in every if p.name == "tail-100ms")
+    delta = policy_from_text(policy_text(tail)).source.tier_options["standard"].latency_delta
+    assert delta is not None and delta.quantile == 0.99 and delta.every_token == 0.1
+    assert engine_profile(Point("s", "s", 8, step_tokens=512)).max_num_batched_tokens == 512
+
+
+def test_a_door_limit_trades_throughput_for_the_quiet_tail(tmp_path: Path) -> None:
+    """A short simulated run: FIFO queues the quiet tenant behind the flood in the engine;
+    a limit of 8 at the door keeps it near alone and costs throughput."""
+    work = Workload(flooder_start_s=2.0, warmup_s=8.0, measure_s=15.0)
+    report = run(tmp_path, work, [8], 0, [], seed=3)
+    rows = {row["point"]: row for row in report["rows"]}
+    assert set(rows) == {"fifo", "door-8"}
+    fifo, door = rows["fifo"], rows["door-8"]
+    assert door["ttft_p99_ms"] < fifo["ttft_p99_ms"] / 3
+    assert door["output_tok_s"] < 0.8 * fifo["output_tok_s"]
+    assert door["of_fifo"] == pytest.approx(door["output_tok_s"] / fifo["output_tok_s"])
+    assert report["solo"]["quiet_requests"] == door["quiet_requests"] > 30
+    saved = json.loads((tmp_path / "results.json").read_text())
+    assert saved["summary"]["met"] is False and (tmp_path / "frontier.png").exists()
