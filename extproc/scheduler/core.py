@@ -324,7 +324,9 @@ class Scheduler:
             return []  # nothing queued anywhere
         now = self.clock.now()
         return self._dispatcher.run(
-            lambda pool, entry, light, reserve: self._leases.admit(pool, entry, now, light, reserve)
+            lambda pool, entry, light, reserve, headroom: self._leases.admit(
+                pool, entry, now, light, reserve, headroom
+            )
         )
 
     # --- shared-state hooks ---------------------------------------------------------------------

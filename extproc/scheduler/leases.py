@@ -18,10 +18,18 @@ class Leases:
         self._lease_seq = 0
 
     def admit(
-        self, pool: PoolState, entry: QueueEntry, now: float, light: bool, reserve: bool = False
+        self,
+        pool: PoolState,
+        entry: QueueEntry,
+        now: float,
+        light: bool,
+        reserve: bool = False,
+        headroom: bool = False,
     ) -> Admission:
         """Take the entry into a lease; `light`: its tenant was within its fair share;
-        `reserve`: it goes above a hard limit cut below what is in flight (`fits_reserve`)."""
+        `reserve`: it goes above a hard limit cut below what is in flight (`fits_reserve`);
+        `headroom`: a light tenant's request taken above the soft limit, which the fair share
+        does not count (`LeaseState.fair_exempt`)."""
         live = self._live
         ticket = entry.ticket
         state = live.tenants[ticket.tenant]
@@ -49,8 +57,9 @@ class Leases:
         by_class = state.inflight_by_class
         by_class[ticket.endpoint] = by_class.get(ticket.endpoint, 0) + 1
         state.inflight_tokens += budget
-        cost = live.fair_cost(ticket)
-        band.fair.on_dispatch(state.name, cost)
+        cost = 0.0 if headroom else live.fair_cost(ticket)
+        if not headroom:
+            band.fair.on_dispatch(state.name, cost)
         self._lease_seq += 1
         replica = live.locality.route(pool.name, ticket.prefix_blocks, ticket.input_tokens)
         lease = Lease(
@@ -68,6 +77,7 @@ class Leases:
         live.leases[lease.lease_id] = LeaseState(
             lease, ticket, reserved, cost, entry=entry, light=light,
             prefilling=prefilling, alone_sample=idle and ticket.streamed, reserve=reserve,
+            fair_exempt=headroom,
         )  # fmt: skip
         pool.reserve_inflight += reserve
         live.timers.lease_added(lease.expires_at, lease.lease_id)
@@ -178,6 +188,8 @@ class Leases:
         extra = held.output_seen - held.charged_output
         if extra > 0:
             held.charged_output = held.output_seen
+            if held.fair_exempt:
+                return
             cost = self._live.policy.source.fairness.output_weight * extra
             held.fair_charged += cost
             band = self._live.band_of(held.lease.tenant, held.lease.pool)
@@ -200,7 +212,7 @@ class Leases:
             held.lease.pool,
             ticket.endpoint,
             in_tokens + out_tokens - ticket.budget,
-            final - held.fair_charged,
+            0.0 if held.fair_exempt else final - held.fair_charged,
             now,
         )
 

@@ -68,6 +68,12 @@ class LeaseState:
     reserve: bool = False
     """Admitted above a hard limit that had been cut below what was in flight: it holds one
     of the pool's reserve slots (`PoolState.reserve_inflight`) until released."""
+    fair_exempt: bool = False
+    """Taken through the headroom (a light tenant above the soft limit): the fair share
+    neither charges it nor settles it. That capacity is never a backlogged tenant's, so
+    counting it made a light tenant pay for it later: a tenant light for minutes ran up a
+    DRR debt (or a VTC counter) that its first burst then waited out at the door while the
+    flooder was admitted dozens of times (tests/unit/test_sched_headroom_debt.py)."""
     alone_sample: bool = False
     """Admitted while the pool was nearly idle: its first token teaches the alone model."""
     first_token: bool = False
