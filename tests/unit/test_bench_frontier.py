@@ -10,11 +10,15 @@ import pytest
 
 from extproc.policy import policy_from_text
 from gateway_lab.bench.frontier import (
+    KVWARDEN,
+    KVWARDEN_BUCKET,
     Point,
     Workload,
     engine_profile,
+    kvwarden_points,
     points,
     policy_text,
+    ratios,
     run,
     tokens_within,
 )
@@ -61,7 +65,7 @@ def test_a_door_limit_trades_throughput_for_the_quiet_tail(tmp_path: Path) -> No
     """A short simulated run: FIFO queues the quiet tenant behind the flood in the engine;
     a limit of 8 at the door keeps it near alone and costs throughput."""
     work = Workload(flooder_start_s=2.0, warmup_s=8.0, measure_s=15.0)
-    report = run(tmp_path, work, [8], 0, [], seed=3)
+    report = run(tmp_path, work, points([8], 0, []), seed=3)
     rows = {row["point"]: row for row in report["rows"]}
     assert set(rows) == {"fifo", "door-8"}
     fifo, door = rows["fifo"], rows["door-8"]
@@ -71,3 +75,25 @@ def test_a_door_limit_trades_throughput_for_the_quiet_tail(tmp_path: Path) -> No
     assert report["solo"]["quiet_requests"] == door["quiet_requests"] > 30
     saved = json.loads((tmp_path / "results.json").read_text())
     assert saved["summary"]["met"] is False and (tmp_path / "frontier.png").exists()
+
+
+def test_kvwardens_bucket_is_a_flooder_rate_limit_and_its_target_reads_the_flooder() -> None:
+    swept = kvwarden_points([16], ["20ms"])
+    assert [p.name for p in swept] == ["fifo", "bucket", "door-16", "first-20ms"]
+    bucket = policy_from_text(policy_text(swept[1])).source.tenants["flooder"].limits
+    assert bucket.requests_per_minute == 600 and bucket.requests_burst == 10
+    assert swept[1].flooder_limits == KVWARDEN_BUCKET and KVWARDEN.flooder_rate == 32.0
+
+    def row(point: str, p99: float, flooder: float) -> dict[str, object]:
+        return {"point": point, "ttft_p50_ms": 40.0, "ttft_p99_ms": p99, "tpot_p99_ms": 12.0,
+                "output_tok_s": flooder + 64.0, "flooder_tok_s": flooder}  # fmt: skip
+
+    solo = {"ttft_p50_ms": 40.0, "ttft_p99_ms": 50.0, "tpot_p99_ms": 12.0}
+    rows = [row("fifo", 70.0, 2000.0), row("bucket", 52.0, 640.0),
+            row("door-16", 54.0, 1300.0), row("door-8", 53.0, 900.0)]  # fmt: skip
+    summary = ratios(rows, solo)  # type: ignore[arg-type]
+    assert summary["flooder_tok_s_needed"] == 1280.0
+    assert summary["met"]  # door-16: 1.08x with 1,300 tok/s
+    assert summary["best_p99_with_enough_flooder_tokens"] == "door-16"
+    rows[2] = row("door-16", 56.0, 1300.0)  # 1.12x: the tail misses
+    assert not ratios(rows, solo)["met"]  # type: ignore[arg-type]
