@@ -43,9 +43,7 @@ class Dispatcher:
                     entry = self.choose(pool)
                     if entry is None:
                         break
-                    admitted.append(
-                        admit(pool, entry, self.light_now(pool, entry), False, False)
-                    )
+                    admitted.append(admit(pool, entry, self.light_now(pool, entry), False, False))
                 while pool.waiting and not capacity.has_slot():
                     reserve = not capacity.has_headroom()
                     if reserve and pool.reserve_inflight >= capacity.headroom:
@@ -53,9 +51,7 @@ class Dispatcher:
                     entry = self.choose_headroom(pool, reserve)
                     if entry is None:
                         break
-                    admitted.append(
-                        admit(pool, entry, self.light_now(pool, entry), reserve, True)
-                    )
+                    admitted.append(admit(pool, entry, self.light_now(pool, entry), reserve, True))
             progressed = len(admitted) > before and len(live.pools) > 1
         return admitted
 
