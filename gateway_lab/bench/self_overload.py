@@ -55,6 +55,7 @@ from gateway_lab.bench.self_overload_arms import (
     before_arms,
     compiled_arms,
     delta_arms,
+    door_arms,
     policy_text,
 )
 from gateway_lab.bench.stack import PROFILE, Gateway, engine_set, gateway_stack
@@ -144,7 +145,7 @@ def front(arm: Arm, workdir: Path, endpoint: str, kvwarden_venv: Path) -> Iterat
     env = None if arm.source is None else revisions.tree_env(arm.source)
     with gateway_stack(
         workdir / arm.name,
-        policy_text(endpoint, arm.latency_delta),
+        policy_text(endpoint, arm.latency_delta, arm.door_limit),
         FRONTS[arm.front],
         bootstrap_edit=edit,
         accounting_process=arm.accounting_process,
@@ -494,6 +495,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )  # fmt: skip
     add_tail_quantile_argument(parser)
     parser.add_argument(
+        "--door-limits", default="19",
+        help="static soft limits of the room-door-N arms (default %(default)s: where the "
+        "simulator meets issue 15's target on this load, `extproc bench frontier --workload "
+        "kvwarden`)",
+    )  # fmt: skip
+    parser.add_argument(
         "--before", metavar="REV",
         help="also offer the arms room-before, over-before and <D-arm>-before for each "
         "objective arm: the service of git revision REV",
@@ -527,7 +534,7 @@ def main(args: argparse.Namespace) -> int:
         work = replace(work, over_rate=args.over_rate)
     objectives = delta_arms(listed(args.first_token_deltas), listed(args.tail_deltas),
                             args.tail_quantile)  # fmt: skip
-    every = (*ARMS, *objectives)
+    every = (*ARMS, *objectives, *door_arms([int(n) for n in listed(args.door_limits)]))
     if args.before:
         source = revisions.tree_of_rev(args.before, scenario.workdir_of(args) / "before-src")
         every = (*every, *before_arms(source, objectives))

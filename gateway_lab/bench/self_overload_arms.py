@@ -33,6 +33,9 @@ class Arm:
     latency_delta: str | None = None
     """The tier's δ objective (`latency_delta`, YAML flow text); the arm first sends a few
     quiet requests one at a time, so the gateway learns the alone TTFT."""
+    door_limit: int | None = None
+    """A static soft limit at the door instead of the adaptive one (`room-door-N`, the
+    limit `extproc bench frontier --workload kvwarden` finds in the simulator)."""
 
 
 ARMS = (
@@ -55,6 +58,7 @@ ARMS = (
 )
 
 
+DOOR_HEADROOM = 8
 DEFAULT_FIRST_TOKEN_DELTAS = ("10ms", "30ms")
 """The first-token objectives of the `room-first-D` arms (`--first-token-deltas`)."""
 DEFAULT_TAIL_DELTAS = ("20ms",)
@@ -80,6 +84,12 @@ def delta_arms(
     )
 
 
+def door_arms(limits: Sequence[int]) -> tuple[Arm, ...]:
+    """`room-door-N`: the room load, our policy with a static soft limit of N (headroom 8
+    above it, the adaptive limit off)."""
+    return tuple(Arm(f"room-door-{n}", "service", "room", door_limit=n) for n in limits)
+
+
 def before_arms(source: Path, objective_arms: Sequence[Arm] = ()) -> tuple[Arm, ...]:
     """`room-before`, `over-before` and, for each of `objective_arms`, `<its name>-before`:
     the service of another revision (`--before REV`), with the same policy."""
@@ -100,11 +110,19 @@ def compiled_arms(source: Path) -> tuple[Arm, ...]:
     )
 
 
-def policy_text(endpoint: str, latency_delta: str | None = None) -> str:
+def policy_text(
+    endpoint: str, latency_delta: str | None = None, door_limit: int | None = None
+) -> str:
     """Our full policy: the defaults (DRR, headroom, adaptive soft limit, overload shedding),
-    and a δ objective if given."""
+    and a δ objective, or a static soft limit, if given."""
     objective = (
         f"tier_options: {{standard: {{latency_delta: {latency_delta}}}}}\n" if latency_delta else ""
+    )
+    capacity = (
+        "max_inflight: 512"
+        if door_limit is None
+        else f"max_inflight: {door_limit + DOOR_HEADROOM}, headroom: {DOOR_HEADROOM},\n"
+        "          adaptive: {enabled: false}"
     )
     return f"""\
 version: 1
@@ -113,7 +131,7 @@ tiers: [standard]
   quiet: {{tier: standard, api_keys: ["{hash_key(KEYS["quiet"])}"]}}
   flooder: {{tier: standard, api_keys: ["{hash_key(KEYS["flooder"])}"]}}
 pools:
-  {scenario.POOL}: {{max_total_tokens: 131072, max_inflight: 512,
+  {scenario.POOL}: {{max_total_tokens: 131072, {capacity},
           max_inflight_tokens: 1000000000, endpoints: ["{endpoint}"]}}
 estimation: {{mode: flat, default_bytes_per_token: 4.0}}
 gateway: {{default_max_tokens: 256, message_timeout: 5s}}

@@ -33,7 +33,7 @@ from gateway_lab.bench.self_overload import (
     policy_text,
     summarize,
 )
-from gateway_lab.bench.self_overload_arms import before_arms
+from gateway_lab.bench.self_overload_arms import before_arms, door_arms
 from gateway_lab.bench.stack import cpu_seconds
 from gateway_lab.processes import envoy_binary
 
@@ -198,6 +198,17 @@ def test_before_arms_copy_each_objective_arm_onto_the_other_tree(tmp_path: Path)
         copy = arms[f"{arm.name}-before"]
         assert copy.source == tmp_path and copy.latency_delta == arm.latency_delta
         assert copy.load == arm.load and arm.source is None
+
+
+def test_door_arms_hold_a_static_soft_limit() -> None:
+    (arm,) = door_arms([19])
+    assert (arm.name, arm.load, arm.front) == ("room-door-19", "room", "service")
+    policy = policy_from_text(policy_text("127.0.0.1:1", arm.latency_delta, arm.door_limit))
+    pool = next(iter(policy.source.pools.values()))
+    assert pool.max_inflight == 27 and pool.headroom == 8
+    assert pool.adaptive is not None and pool.adaptive.enabled is False
+    default = next(iter(policy_from_text(policy_text("127.0.0.1:1")).source.pools.values()))
+    assert default.max_inflight == 512 and default.adaptive is None
 
 
 def test_the_floods_onset_is_summarized_apart_from_what_follows() -> None:
