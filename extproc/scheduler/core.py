@@ -324,9 +324,7 @@ class Scheduler:
             return []  # nothing queued anywhere
         now = self.clock.now()
         return self._dispatcher.run(
-            lambda pool, entry, light, reserve, headroom: self._leases.admit(
-                pool, entry, now, light, reserve, headroom
-            )
+            lambda pool, entry, light, reserve: self._leases.admit(pool, entry, now, light, reserve)
         )
 
     # --- shared-state hooks ---------------------------------------------------------------------

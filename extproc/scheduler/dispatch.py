@@ -23,10 +23,9 @@ class Dispatcher:
         self._max_bypass = max_bypass
 
     def run(
-        self, admit: Callable[[PoolState, QueueEntry, bool, bool, bool], Admission]
+        self, admit: Callable[[PoolState, QueueEntry, bool, bool], Admission]
     ) -> list[Admission]:
-        """Admit every request that may go now, in order. `admit(pool, entry, light, reserve,
-        headroom)`: `headroom` for a light tenant's request taken above the soft limit."""
+        """Admit every request that may go now, in order."""
         live = self._live
         admitted: list[Admission] = []
         # An admission in one pool can change another pool's options (a tenant reaching its
@@ -43,7 +42,7 @@ class Dispatcher:
                     entry = self.choose(pool)
                     if entry is None:
                         break
-                    admitted.append(admit(pool, entry, self.light_now(pool, entry), False, False))
+                    admitted.append(admit(pool, entry, self.light_now(pool, entry), False))
                 while pool.waiting and not capacity.has_slot():
                     reserve = not capacity.has_headroom()
                     if reserve and pool.reserve_inflight >= capacity.headroom:
@@ -51,7 +50,7 @@ class Dispatcher:
                     entry = self.choose_headroom(pool, reserve)
                     if entry is None:
                         break
-                    admitted.append(admit(pool, entry, self.light_now(pool, entry), reserve, True))
+                    admitted.append(admit(pool, entry, self.light_now(pool, entry), reserve))
             progressed = len(admitted) > before and len(live.pools) > 1
         return admitted
 

@@ -18,18 +18,12 @@ class Leases:
         self._lease_seq = 0
 
     def admit(
-        self,
-        pool: PoolState,
-        entry: QueueEntry,
-        now: float,
-        light: bool,
-        reserve: bool = False,
-        headroom: bool = False,
+        self, pool: PoolState, entry: QueueEntry, now: float, light: bool, reserve: bool = False
     ) -> Admission:
         """Take the entry into a lease; `light`: its tenant was within its fair share;
-        `reserve`: it goes above a hard limit cut below what is in flight (`fits_reserve`);
-        `headroom`: a light tenant's request taken above the soft limit, which the fair share
-        does not count (`LeaseState.fair_exempt`)."""
+        `reserve`: it goes above a hard limit cut below what is in flight (`fits_reserve`).
+        Taken above the soft limit (the headroom), the fair share does not count it
+        (`LeaseState.fair_exempt`)."""
         live = self._live
         ticket = entry.ticket
         state = live.tenants[ticket.tenant]
@@ -44,6 +38,7 @@ class Leases:
         live.timers.entry_left(entry)
         budget = ticket.budget
         idle = pool.prefilling_tokens == 0 and pool.capacity.inflight <= IDLE_INFLIGHT
+        headroom = not pool.capacity.has_slot()
         pool.capacity.acquire(budget)
         prefilling = ticket.input_tokens if ticket.streamed else 0
         pool.prefilling_tokens += prefilling
@@ -57,8 +52,9 @@ class Leases:
         by_class = state.inflight_by_class
         by_class[ticket.endpoint] = by_class.get(ticket.endpoint, 0) + 1
         state.inflight_tokens += budget
-        cost = 0.0 if headroom else live.fair_cost(ticket)
+        cost = 0.0
         if not headroom:
+            cost = live.fair_cost(ticket)
             band.fair.on_dispatch(state.name, cost)
         self._lease_seq += 1
         replica = live.locality.route(pool.name, ticket.prefix_blocks, ticket.input_tokens)

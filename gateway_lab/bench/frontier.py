@@ -244,20 +244,18 @@ def points(
 
 
 def kvwarden_points(limits: Sequence[int], first_token: Sequence[str]) -> list[Point]:
-    """FIFO, kvwarden's bucket on the flooder (no door limit), door limits, and first-token
-    objectives on the largest limit (the live `room-first-D` arms)."""
-    bucket = Point("bucket", "kvwarden's bucket", 1_000_000, flooder_limits=KVWARDEN_BUCKET)
+    """FIFO, kvwarden's bucket on the flooder (as in front of FIFO: no door limit, the
+    engine first come, first served), door limits, and first-token objectives on the largest
+    limit (the live `room-first-D` arms)."""
+    top = max(limits)
+    bucket = Point("bucket", "kvwarden's bucket", None, flooder_limits=KVWARDEN_BUCKET)
     out = [Point("fifo", "fifo", None), bucket]
     out += [Point(f"door-{n}", "door limit", n) for n in limits]
     out += [
-        Point(
-            f"first-{d}",
-            f"first-token objective (limit {max(limits)})",
-            max(limits),
-            latency_delta=f"{{first_token: {d}}}",
-        )
+        Point(f"first-{d}", f"first-token objective (limit {top})", top,
+              latency_delta=f"{{first_token: {d}}}")
         for d in first_token
-    ]
+    ]  # fmt: skip
     return out
 
 
@@ -269,6 +267,9 @@ def ratios(rows: list[dict[str, Any]], solo: dict[str, Any]) -> dict[str, Any]:
         row["ttft_p99_x"] = row["ttft_p99_ms"] / solo["ttft_p99_ms"]
         row["tpot_p99_x"] = row["tpot_p99_ms"] / solo["tpot_p99_ms"]
         row["of_fifo"] = row["output_tok_s"] / fifo["output_tok_s"]
+    bucket = next((row for row in rows if row["point"] == "bucket"), None)
+    if bucket is not None:
+        return kvwarden_target(rows, bucket)
     busy = [row for row in rows if row["of_fifo"] >= TARGET_THROUGHPUT]
     held = [
         row
@@ -277,9 +278,6 @@ def ratios(rows: list[dict[str, Any]], solo: dict[str, Any]) -> dict[str, Any]:
     ]
     best_busy = min(busy, key=lambda row: row["ttft_p99_x"], default=None)
     best_held = max(held, key=lambda row: row["of_fifo"], default=None)
-    bucket = next((row for row in rows if row["point"] == "bucket"), None)
-    if bucket is not None:
-        return kvwarden_target(rows, bucket)
     return {
         "met": any(row in held for row in busy),
         "best_p99_at_95pct": None if best_busy is None else best_busy["point"],

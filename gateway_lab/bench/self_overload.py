@@ -331,7 +331,7 @@ def compare(results: dict[str, dict[str, Any]]) -> dict[str, Any]:
     for name, result in results.items():
         # Issue 16's table names the default policy (`over-full`); the other arms of ours
         # above capacity (an objective, another revision) are judged alike, under their name.
-        if name.startswith("over-") and result.get("front", "service") == "service":
+        if name.startswith("over-") and result["front"] == "service":
             suffix = "" if name == "over-full" else f":{name}"
             for target, met in over_targets(result, rows[name]).items():
                 targets[target + suffix] = met

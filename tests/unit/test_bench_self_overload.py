@@ -123,7 +123,7 @@ def test_targets_read_from_the_arms() -> None:
         return {
             "quiet": {"p50_ms": p50, "p99_ms": p99}, "quiet_failed": failed,
             "flooder": {"status": flooder or {}}, "flooder_refused_without_retry_after": 0,
-            "cpu_cores": {},
+            "cpu_cores": {}, "front": "service",
         }  # fmt: skip
 
     summary = compare(
