@@ -1,9 +1,11 @@
 """An emulated vLLM OpenAI-compatible HTTP server driven by EngineCore.
 
-One asyncio task runs the engine: it takes a step from the core, sleeps the step's duration in
+One asyncio task runs the engine: it takes a step from the core, sleeps until the step's end in
 real time (clock: time.monotonic, not the loop's clock, which uvloop rounds to 1 ms and caches
 per iteration), then delivers that step's tokens to the waiting request handlers; with no work it
-awaits an event. Request and response JSON, SSE framing, error bodies and `vllm:` metrics
+awaits an event. While work lasts, a step starts where the previous one ended, not when the
+loop wakes (`gateway_lab.engine.timeline`): the HTTP side's lag delays deliveries, not the
+model's steps. Request and response JSON, SSE framing, error bodies and `vllm:` metrics
 follow vLLM's OpenAI server; the pooling endpoints (embeddings, rerank, score) are in
 `gateway_lab.engine.pooling_api`. Every output is generated as if `ignore_eos` were set: a request
 always produces its `max_tokens` (finish_reason "length").
@@ -47,6 +49,7 @@ from gateway_lab.engine.openai_api import (
 )
 from gateway_lab.engine.pooling_api import PoolingKind, parse_pooling_request, response_body
 from gateway_lab.engine.profiles import EngineProfile, get_profile
+from gateway_lab.engine.timeline import StepTimeline
 
 log = logging.getLogger(__name__)
 
@@ -98,6 +101,7 @@ class EngineServer:
         self._port: int | None = None
         self._pending: dict[str, _Pending] = {}
         self._wake = asyncio.Event()
+        self._timeline = StepTimeline()
         self._closing = False
         self._failed = False
         self._loop_task: asyncio.Task[None] | None = None
@@ -168,16 +172,20 @@ class EngineServer:
     async def _step_loop(self) -> None:
         core = self.core
         clock = time.monotonic
+        timeline = self._timeline
         try:
             while True:
                 if not core.has_work:
+                    timeline.idle()
                     self._wake.clear()
                     await self._wake.wait()
                     continue
-                result = core.step(clock())
+                result = core.step(timeline.start(clock()))
                 if result.idle:
+                    timeline.idle()
                     await asyncio.sleep(0)  # defensive: never spin without yielding
                     continue
+                timeline.ended(result.end)
                 delay = result.end - clock()
                 if delay > 0:
                     await asyncio.sleep(delay)
@@ -280,14 +288,16 @@ class EngineServer:
         req_id = params.req_id
         self._pending[req_id] = entry
         try:
+            now = time.monotonic()
             self.core.add_request(
                 req_id,
                 params.prompt_tokens,
                 params.max_tokens,
-                time.monotonic(),
+                now,
                 params.priority,
                 token_ids=params.prompt_token_ids,
             )
+            self._timeline.arrived(now)
             self._wake.set()
             if params.stream:
                 return await self._stream(request, params, entry)
@@ -324,6 +334,7 @@ class EngineServer:
             now = time.monotonic()
             for req_id, tokens in zip(ids, params.tokens, strict=True):
                 self.core.add_request(req_id, tokens, 0, now, params.priority, pooling=True)
+            self._timeline.arrived(now)
             self._wake.set()
             for entry in entries:
                 if await entry.events.get() == _STOPPED:
