@@ -30,11 +30,12 @@ def split_cores() -> CoreSplit | None:
     return CoreSplit(frozenset(allowed[-1:]), frozenset(allowed[:-1]))
 
 
-def pin(pid: int, cores: frozenset[int]) -> int:
-    """Pin every thread of `pid` (and of its descendants) to `cores`; returns threads pinned.
-    A thread or process that is gone by then is skipped."""
+def pin(pid: int, cores: frozenset[int], keep: Collection[int] = ()) -> int:
+    """Pin every thread of `pid` and of its descendants to `cores`, except the processes in
+    `keep` and those below them (pinned elsewhere: the engines the load generator started);
+    returns threads pinned. A thread or process that is gone by then is skipped."""
     pinned = 0
-    for process in (pid, *descendants(pid)):
+    for process in (pid, *descendants(pid, stop_at=keep)):
         with contextlib.suppress(FileNotFoundError):
             for task in Path(f"/proc/{process}/task").iterdir():
                 with contextlib.suppress(ProcessLookupError, PermissionError, OSError):

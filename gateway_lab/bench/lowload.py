@@ -330,9 +330,10 @@ def run(out: Path, workdir: Path, settings: Settings, arms: list[str],
     with engine_set(workdir / "engines", {scenario.POOL: 1}, PROFILE) as engines:
         endpoint = engines.endpoints[scenario.POOL][0]
         if split is not None:
-            for pid in descendants(os.getpid()):
+            engine_pids = descendants(os.getpid())
+            for pid in engine_pids:
                 pin(pid, split.engine)
-            pin(os.getpid(), split.front)
+            pin(os.getpid(), split.front, keep=engine_pids)
         for round_index in range(settings.rounds):
             shift = round_index % len(arms)
             for arm in arms[shift:] + arms[:shift]:

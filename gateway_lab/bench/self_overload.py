@@ -449,7 +449,7 @@ def run(
         if split is not None:
             for pid in engine_pids.values():
                 pin(pid, split.engine)
-            pin(os.getpid(), split.front)
+            pin(os.getpid(), split.front, keep=engine_pids.values())
         for arm in arms:
             results[arm.name] = run_arm(
                 arm, endpoint, engine_pids, workdir, work, timing, split, kvwarden_venv, seed,

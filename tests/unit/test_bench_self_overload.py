@@ -118,6 +118,29 @@ def test_pin_keeps_this_process_on_its_allowed_cores() -> None:
     assert os.getpid() not in descendants(os.getpid())
 
 
+def test_pinning_the_load_generator_leaves_its_engines_on_their_core() -> None:
+    """The benchmarks start the engines as children of the load generator, pin them to a core
+    of their own, then pin the load generator: without `keep` that moved the engines back to
+    the front's core (every self-overload and low-load run before 2026-12-05)."""
+    allowed = frozenset(os.sched_getaffinity(0))
+    split = split_cores()
+    if split is None:
+        pytest.skip("one core: nothing to pin apart")
+    engine = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"],
+                              stdin=subprocess.PIPE)  # fmt: skip
+    try:
+        assert pin(engine.pid, split.engine) >= 1
+        pin(os.getpid(), split.front, keep=[engine.pid])
+        assert os.sched_getaffinity(engine.pid) == split.engine
+        assert os.sched_getaffinity(0) == split.front
+        pin(os.getpid(), split.front)  # no keep: the child follows
+        assert os.sched_getaffinity(engine.pid) == split.front
+    finally:
+        pin(os.getpid(), allowed)
+        engine.kill()
+        engine.wait(timeout=10)
+
+
 def test_targets_read_from_the_arms() -> None:
     def arm(p50: float, p99: float, failed: int = 0, flooder: dict[str, int] | None = None):  # type: ignore[no-untyped-def]
         return {
