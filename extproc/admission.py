@@ -31,6 +31,8 @@ class Grant:
     """The `priority` for the forwarded body (Admission.engine_priority)."""
     replica: int | None = None
     """The pool endpoint the locality index chose (fairness dlpm); None: Envoy balances."""
+    fair_exempt: bool = False
+    """Admitted through the headroom, outside the fair share (`Lease.fair_exempt`)."""
 
 
 @dataclass
@@ -337,6 +339,7 @@ class AdmissionController:
                 ratelimit_headers=dict(admission.ratelimit_headers),
                 engine_priority=admission.engine_priority,
                 replica=admission.lease.replica,
+                fair_exempt=admission.lease.fair_exempt,
             )
         )
 

@@ -486,10 +486,15 @@ class Scheduler:
         input_delta: int,
         output_delta: int,
         endpoint: EndpointClass = "chat",
+        *,
+        fair: bool = True,
     ) -> None:
         """A settled request's count turned out different (extproc.service.reconcile): move
-        the token buckets (the tenant's, its class's) and fair share by the difference."""
-        self._leases.correct(tenant, pool, endpoint, input_delta, output_delta, self.clock.now())
+        the token buckets (the tenant's, its class's) and, unless the request was outside it
+        (`fair` False: `Lease.fair_exempt`), the fair share by the difference."""
+        self._leases.correct(
+            tenant, pool, endpoint, input_delta, output_delta, self.clock.now(), fair=fair
+        )
 
     def pool_inflight(self, pool: str) -> int:
         """Requests admitted to the pool and not yet released."""

@@ -68,6 +68,7 @@ class Leases:
             admitted_at=now,
             expires_at=now + live.policy.source.gateway.lease_timeout,
             replica=replica,
+            fair_exempt=headroom,
         )
         reserved = ticket.max_output_tokens if live.reserve_output else 0
         live.leases[lease.lease_id] = LeaseState(
@@ -213,11 +214,20 @@ class Leases:
         )
 
     def correct(
-        self, tenant: str, pool: str, endpoint: EndpointClass, d_in: int, d_out: int, now: float
+        self,
+        tenant: str,
+        pool: str,
+        endpoint: EndpointClass,
+        d_in: int,
+        d_out: int,
+        now: float,
+        *,
+        fair: bool = True,
     ) -> None:
-        """A later correction of a settled request's input and output tokens."""
+        """A later correction of a settled request's input and output tokens (`fair`: False
+        for a request that was outside the fair share, `Lease.fair_exempt`)."""
         fairness = self._live.policy.source.fairness
-        cost = fairness.input_weight * d_in + fairness.output_weight * d_out
+        cost = fairness.input_weight * d_in + fairness.output_weight * d_out if fair else 0.0
         self.charge_difference(tenant, pool, endpoint, d_in + d_out, cost, now)
 
     def charge_difference(

@@ -59,6 +59,9 @@ class Lease:
     replica: int | None = None
     """The pool endpoint (index into its `endpoints`) the locality index chose; None: Envoy
     balances the pool's endpoints."""
+    fair_exempt: bool = False
+    """Taken through the headroom: outside the fair-share accounting, its late usage
+    correction included (`Scheduler.correct_usage(fair=False)`)."""
 
 
 ENGINE_PRIORITY_STRIDE = 2

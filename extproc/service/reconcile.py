@@ -48,6 +48,8 @@ class CutShort:
     at: float
     endpoint: EndpointClass = "chat"
     """Its endpoint class: a correction moves that class's token bucket too."""
+    fair_exempt: bool = False
+    """It was outside the fair share (admitted through the headroom): so is its correction."""
 
 
 @dataclass(frozen=True, slots=True)

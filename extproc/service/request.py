@@ -239,6 +239,7 @@ class Settlement:
                     output_tokens,
                     time.monotonic(),
                     endpoint_class(request.path) or "chat",
+                    request.grant is not None and request.grant.fair_exempt,
                 )
                 deferred = ledger.cut_short(engine, item)
         request.usage_input, request.usage_output = input_tokens, output_tokens
@@ -282,6 +283,7 @@ class Settlement:
             correction.input_tokens - item.input_tokens,
             correction.output_tokens - item.output_tokens,
             item.endpoint,
+            fair=not item.fair_exempt,
         )
         self.count_tokens(item.tenant, correction.input_tokens, correction.output_tokens)
 

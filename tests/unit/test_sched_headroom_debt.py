@@ -15,7 +15,7 @@ from extproc.scheduler import ManualClock, Scheduler, Ticket
 SOFT, HEADROOM = 4, 4
 
 
-def _scheduler(fairness: str) -> Scheduler:
+def headroom_scheduler(fairness: str) -> Scheduler:
     policy = policy_from_text(f"""\
 version: 1
 tiers: [standard]
@@ -50,7 +50,7 @@ def _quiet_alone_beside_the_flood(sched: Scheduler, requests: int) -> list[int]:
 
 @pytest.mark.parametrize("fairness", ["drr", "vtc"])
 def test_a_light_tenants_burst_gets_its_turn_however_long_it_was_light(fairness: str) -> None:
-    sched = _scheduler(fairness)
+    sched = headroom_scheduler(fairness)
     flood = _quiet_alone_beside_the_flood(sched, requests=100)
     # A burst of 12: its demand is above the quiet tenant's share of what is admitted, so it
     # is not light and competes with the flooder under the soft limit.
@@ -69,7 +69,33 @@ def test_a_light_tenants_burst_gets_its_turn_however_long_it_was_light(fairness:
 
 
 def test_headroom_service_leaves_the_drr_deficit_alone() -> None:
-    sched = _scheduler("drr")
+    sched = headroom_scheduler("drr")
     _quiet_alone_beside_the_flood(sched, requests=100)
     level = sched.snapshot()["tenants"]["quiet"]["fair_share"]["p"]
     assert level > -200, level  # ~-19,000 when each of the 100 requests was charged
+
+
+def test_a_late_correction_of_a_headroom_request_leaves_the_fair_share_alone() -> None:
+    """A cut-short stream is settled as seen and corrected later from the engine's counters
+    (extproc/service/reconcile.py); the lease is gone by then, so the exemption travels with
+    it (`Lease.fair_exempt`)."""
+    sched = headroom_scheduler("drr")
+    _quiet_alone_beside_the_flood(sched, requests=0)
+    assert sched.submit(Ticket("q-cut", "quiet", "p", 14, 64)) is None
+    (admitted,) = sched.dispatch()
+    assert admitted.lease.fair_exempt
+    assert sched.release(admitted.lease.lease_id, 14, 10)
+    level = sched.snapshot()["tenants"]["quiet"]["fair_share"]["p"]
+    served = sched.snapshot()["tenants"]["quiet"]["served_tokens"]
+    sched.correct_usage("quiet", "p", 0, 54, fair=False)
+    assert sched.snapshot()["tenants"]["quiet"]["fair_share"]["p"] == level
+    assert sched.snapshot()["tenants"]["quiet"]["served_tokens"] == served + 54
+    sched.correct_usage("quiet", "p", 0, 54)  # a request inside the fair share is charged
+    assert sched.snapshot()["tenants"]["quiet"]["fair_share"]["p"] != level
+
+
+def test_a_request_under_the_soft_limit_is_inside_the_fair_share() -> None:
+    sched = headroom_scheduler("drr")
+    assert sched.submit(Ticket("q0", "quiet", "p", 14, 64)) is None
+    (admitted,) = sched.dispatch()
+    assert not admitted.lease.fair_exempt
