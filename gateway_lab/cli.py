@@ -61,6 +61,10 @@ BENCH_SCENARIOS = {
         "frontier",
         "noisy neighbour in the simulator: quiet P99 TTFT vs throughput per lever, no host noise",
     ),
+    "engine-clock": (
+        "engine_clock",
+        "the emulated engine's own event loop under kvwarden's workload: its step clock, vs sim",
+    ),
     "self-overload": (
         "self_overload",
         "a quiet tenant while the gateway itself is overloaded; kvwarden peer; phase timings",

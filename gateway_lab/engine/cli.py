@@ -25,6 +25,7 @@ from gateway_lab.engine.server import (
     EngineServer,
     running_engine,
 )
+from gateway_lab.engine.timeline import STEP_CLOCKS
 from gateway_lab.engine.waiting import SCHEDULING_POLICIES
 
 __all__ = ["add_arguments", "main", "run", "running_engine"]
@@ -70,6 +71,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="serve any requested model name instead of answering 404 like vLLM",
     )
+    parser.add_argument(
+        "--step-clock",
+        choices=STEP_CLOCKS,
+        default="model",
+        help="when a step that follows another starts: where it ended (model, default) or "
+        "when the event loop wakes (wake: the emulator before 2026-12-05, to measure what "
+        "the host's lag adds)",
+    )
     group = parser.add_argument_group("profile overrides")
     for name, kind in _profile_fields():
         if kind is bool:
@@ -102,6 +111,7 @@ def build_server(args: argparse.Namespace) -> EngineServer:
         model=args.model,
         default_max_tokens=args.default_max_tokens,
         strict_model=not args.accept_any_model,
+        step_clock=args.step_clock,
     )
 
 

@@ -49,7 +49,7 @@ from gateway_lab.engine.openai_api import (
 )
 from gateway_lab.engine.pooling_api import PoolingKind, parse_pooling_request, response_body
 from gateway_lab.engine.profiles import EngineProfile, get_profile
-from gateway_lab.engine.timeline import StepTimeline
+from gateway_lab.engine.timeline import StepClock, StepTimeline
 
 log = logging.getLogger(__name__)
 
@@ -86,7 +86,12 @@ class EngineServer:
         model: str = DEFAULT_MODEL,
         default_max_tokens: int = DEFAULT_MAX_TOKENS,
         strict_model: bool = True,
+        step_clock: StepClock = "model",
     ) -> None:
+        """`step_clock`: "model", a step that follows another starts where it ended
+        (gateway_lab/engine/timeline.py); "wake", when the event loop gets to it (the emulator
+        before 2026-12-05, kept to measure what the host's lag adds: `extproc bench
+        engine-clock`)."""
         if default_max_tokens < 1:
             raise ValueError("default_max_tokens must be >= 1")
         self.profile = profile
@@ -94,6 +99,7 @@ class EngineServer:
         self.model = model
         self.default_max_tokens = default_max_tokens
         self.strict_model = strict_model
+        self.step_clock = step_clock
         self.core = EngineCore(profile)
         self.metrics = EngineMetrics(self.core, model)
         self._requested_port = port
@@ -173,6 +179,7 @@ class EngineServer:
         core = self.core
         clock = time.monotonic
         timeline = self._timeline
+        anchored = self.step_clock == "model"
         try:
             while True:
                 if not core.has_work:
@@ -180,7 +187,8 @@ class EngineServer:
                     self._wake.clear()
                     await self._wake.wait()
                     continue
-                result = core.step(timeline.start(clock()))
+                now = clock()
+                result = core.step(timeline.start(now) if anchored else now)
                 if result.idle:
                     timeline.idle()
                     await asyncio.sleep(0)  # defensive: never spin without yielding
@@ -407,6 +415,7 @@ async def running_engine(
     model: str = DEFAULT_MODEL,
     default_max_tokens: int = DEFAULT_MAX_TOKENS,
     strict_model: bool = True,
+    step_clock: StepClock = "model",
     **overrides: Any,
 ) -> AsyncIterator[EngineServer]:
     """Start an engine in this event loop; stop it on exit. `overrides` replace profile fields.
@@ -425,6 +434,7 @@ async def running_engine(
         model=model,
         default_max_tokens=default_max_tokens,
         strict_model=strict_model,
+        step_clock=step_clock,
     )
     await server.start()
     try:

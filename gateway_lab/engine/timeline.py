@@ -16,7 +16,12 @@ engine could have seen it; at most as late as the host's own timing).
 
 from __future__ import annotations
 
-__all__ = ["StepTimeline"]
+from typing import Literal
+
+__all__ = ["STEP_CLOCKS", "StepClock", "StepTimeline"]
+
+StepClock = Literal["model", "wake"]
+STEP_CLOCKS: tuple[StepClock, ...] = ("model", "wake")
 
 
 class StepTimeline:
