@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Collection
+from collections.abc import Collection, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -42,6 +42,24 @@ def pin(pid: int, cores: frozenset[int], keep: Collection[int] = ()) -> int:
                     os.sched_setaffinity(int(task.name), cores)
                     pinned += 1
     return pinned
+
+
+@contextlib.contextmanager
+def engines_apart(split: CoreSplit | None, engine_pids: Collection[int]) -> Iterator[None]:
+    """Pin the engines to the split's engine cores and this process (the load generator, and
+    what it starts from now on) to the front's; on exit give this process its cores back, so
+    a benchmark run in process (the smoke tests) does not leave its caller on one core."""
+    if split is None:
+        yield
+        return
+    allowed = frozenset(os.sched_getaffinity(0))
+    for pid in engine_pids:
+        pin(pid, split.engine)
+    pin(os.getpid(), split.front, keep=engine_pids)
+    try:
+        yield
+    finally:
+        pin(os.getpid(), allowed, keep=engine_pids)
 
 
 def children(pid: int) -> list[int]:

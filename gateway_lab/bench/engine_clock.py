@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from gateway_lab.bench import frontier, scenario
-from gateway_lab.bench.cores import descendants, group_cpu, pin, split_cores
+from gateway_lab.bench.cores import descendants, engines_apart, group_cpu, split_cores
 from gateway_lab.bench.loadgen import Load, open_loop
 from gateway_lab.bench.monitor import log, wait_engines_idle
 from gateway_lab.bench.records import Meter, Record
@@ -78,24 +78,30 @@ def measure_clock(
     with engine_set(workdir / clock, {"p": 1}, PROFILE, args) as engines:
         endpoint = engines.endpoints["p"][0]
         pids = {f"engine {i}": pid for i, pid in enumerate(descendants(os.getpid()))}
-        if split is not None:
-            for pid in pids.values():
-                pin(pid, split.engine)
-            pin(os.getpid(), split.front, keep=pids.values())
         out: dict[str, Any] = {"clock": clock}
-        for load in LOADS:
-            scenario.run_async(wait_engines_idle([endpoint]))
-            before = group_cpu(pids)
-            result = scenario.run_async(
-                drive(f"http://{endpoint}/v1/completions", work, timing, load == "room", seed)
-            )
-            after = group_cpu(pids)
-            spent = sum(after.values()) - sum(before.values())
-            result["engine_cores"] = spent / (timing.warmup_s + timing.measure_s)
-            out[load] = result
-            log(NAME, f"{clock} {load}: quiet P50 {fmt(result['quiet']['p50_ms'])} ms, "
-                      f"P99 {fmt(result['quiet']['p99_ms'])} ms")  # fmt: skip
+        with engines_apart(split, list(pids.values())):
+            out.update(_loads(endpoint, pids, work, timing, seed, clock))
         return out
+
+
+def _loads(
+    endpoint: str, pids: dict[str, int], work: Workload, timing: Timing, seed: int, clock: str
+) -> dict[str, Any]:
+    """The quiet tenant alone, then beside the flooder."""
+    out: dict[str, Any] = {}
+    for load in LOADS:
+        scenario.run_async(wait_engines_idle([endpoint]))
+        before = group_cpu(pids)
+        result = scenario.run_async(
+            drive(f"http://{endpoint}/v1/completions", work, timing, load == "room", seed)
+        )
+        after = group_cpu(pids)
+        spent = sum(after.values()) - sum(before.values())
+        result["engine_cores"] = spent / (timing.warmup_s + timing.measure_s)
+        out[load] = result
+        log(NAME, f"{clock} {load}: quiet P50 {fmt(result['quiet']['p50_ms'])} ms, "
+                  f"P99 {fmt(result['quiet']['p99_ms'])} ms")  # fmt: skip
+    return out
 
 
 def simulated(measure_s: float, seed: int) -> dict[str, Any]:

@@ -51,7 +51,14 @@ import orjson
 from extproc.envoy_routes import ACCOUNTING_FILTER, ADMISSION_FILTER
 from extproc.policy import hash_key
 from gateway_lab.bench import phases, revisions, scenario
-from gateway_lab.bench.cores import CoreSplit, descendants, pin, split_cores, tree_cpu_seconds
+from gateway_lab.bench.cores import (
+    CoreSplit,
+    descendants,
+    engines_apart,
+    pin,
+    split_cores,
+    tree_cpu_seconds,
+)
 from gateway_lab.bench.figures import pyplot, save_figure
 from gateway_lab.bench.loadgen import Load, open_loop
 from gateway_lab.bench.monitor import log, wait_engines_idle
@@ -329,16 +336,14 @@ def run(out: Path, workdir: Path, settings: Settings, arms: list[str],
     turns: dict[str, list[dict[str, Any]]] = {arm: [] for arm in arms}
     with engine_set(workdir / "engines", {scenario.POOL: 1}, PROFILE) as engines:
         endpoint = engines.endpoints[scenario.POOL][0]
-        if split is not None:
-            engine_pids = descendants(os.getpid())
-            for pid in engine_pids:
-                pin(pid, split.engine)
-            pin(os.getpid(), split.front, keep=engine_pids)
-        for round_index in range(settings.rounds):
-            shift = round_index % len(arms)
-            for arm in arms[shift:] + arms[:shift]:
-                turn = run_turn(arm, round_index, endpoint, workdir, settings, split, before_src)
-                turns[arm].append(turn)
+        with engines_apart(split, descendants(os.getpid())):
+            for round_index in range(settings.rounds):
+                shift = round_index % len(arms)
+                for arm in arms[shift:] + arms[:shift]:
+                    turn = run_turn(
+                        arm, round_index, endpoint, workdir, settings, split, before_src
+                    )
+                    turns[arm].append(turn)
     by_arm = {arm: merge(turns[arm], settings.measure_s) for arm in arms}
     added = compare(by_arm)
     report = {

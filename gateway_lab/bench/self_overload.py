@@ -40,7 +40,14 @@ from typing import Any
 import orjson
 
 from gateway_lab.bench import phases, reply_probe, revisions, scenario
-from gateway_lab.bench.cores import CoreSplit, descendants, group_cpu, pin, split_cores
+from gateway_lab.bench.cores import (
+    CoreSplit,
+    descendants,
+    engines_apart,
+    group_cpu,
+    pin,
+    split_cores,
+)
 from gateway_lab.bench.kvwarden_front import DEFAULT_VENV, kvwarden_front
 from gateway_lab.bench.loadgen import Load, open_loop
 from gateway_lab.bench.monitor import log, wait_engines_idle
@@ -446,15 +453,12 @@ def run(
     with engine_set(workdir / "engines", {scenario.POOL: 1}, profile, engine_args) as engines:
         endpoint = engines.endpoints[scenario.POOL][0]
         engine_pids = {f"engine {i}": pid for i, pid in enumerate(descendants(os.getpid()))}
-        if split is not None:
-            for pid in engine_pids.values():
-                pin(pid, split.engine)
-            pin(os.getpid(), split.front, keep=engine_pids.values())
-        for arm in arms:
-            results[arm.name] = run_arm(
-                arm, endpoint, engine_pids, workdir, work, timing, split, kvwarden_venv, seed,
-                probe,
-            )  # fmt: skip
+        with engines_apart(split, list(engine_pids.values())):
+            for arm in arms:
+                results[arm.name] = run_arm(
+                    arm, endpoint, engine_pids, workdir, work, timing, split, kvwarden_venv,
+                    seed, probe,
+                )  # fmt: skip
     summary = compare(results)
     report = {
         "scenario": NAME,

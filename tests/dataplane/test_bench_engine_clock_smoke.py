@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 from pathlib import Path
 
 import pytest
@@ -21,7 +22,9 @@ def test_engine_clock_quick(tmp_path: Path, capsys: pytest.CaptureFixture[str]) 
     engine_clock.add_arguments(parser)
     out = tmp_path / "out"
     args = parser.parse_args(["--quick", "--rounds", "1", "--out", str(out)])
+    cores = os.sched_getaffinity(0)
     assert engine_clock.main(args) == 0
+    assert os.sched_getaffinity(0) == cores  # pinned apart while it ran, not after
     printed = capsys.readouterr().out
     data = json.loads((out / "results.json").read_text())
     assert list(data["arms"]) == ["sim", "wake", "model"]

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -27,7 +28,9 @@ def test_low_load_quick(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> N
         ["--quick", "--out", str(out), "--workdir", str(tmp_path / "w"),
          "--before-src", str(SOURCE)]
     )  # fmt: skip
+    cores = os.sched_getaffinity(0)
     assert lowload.main(args) == 0
+    assert os.sched_getaffinity(0) == cores  # the engine was pinned apart, the caller is not
     printed = capsys.readouterr().out
     data = json.loads((out / "results.json").read_text())
     assert list(data["arms"]) == [

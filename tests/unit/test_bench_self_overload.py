@@ -20,7 +20,7 @@ from extproc.envoy_config import RenderOptions, render_bootstrap
 from extproc.policy import policy_from_text
 from extproc.policy.model import LatencyDelta
 from gateway_lab.bench import phases
-from gateway_lab.bench.cores import descendants, group_cpu, pin, split_cores
+from gateway_lab.bench.cores import descendants, engines_apart, group_cpu, pin, split_cores
 from gateway_lab.bench.kvwarden_front import Bucket, config_text
 from gateway_lab.bench.records import Record
 from gateway_lab.bench.self_overload import (
@@ -135,6 +135,13 @@ def test_pinning_the_load_generator_leaves_its_engines_on_their_core() -> None:
         assert os.sched_getaffinity(0) == split.front
         pin(os.getpid(), split.front)  # no keep: the child follows
         assert os.sched_getaffinity(engine.pid) == split.front
+        pin(os.getpid(), allowed)
+        with engines_apart(split, [engine.pid]):
+            assert os.sched_getaffinity(engine.pid) == split.engine
+            assert os.sched_getaffinity(0) == split.front
+        # A benchmark run in process (the smoke tests) gives its caller its cores back.
+        assert os.sched_getaffinity(0) == allowed
+        assert os.sched_getaffinity(engine.pid) == split.engine
     finally:
         pin(os.getpid(), allowed)
         engine.kill()
