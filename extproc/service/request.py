@@ -239,7 +239,7 @@ class Settlement:
                     output_tokens,
                     time.monotonic(),
                     endpoint_class(request.path) or "chat",
-                    request.grant is not None and request.grant.fair_exempt,
+                    fair_exempt=request.grant is not None and request.grant.fair_exempt,
                 )
                 deferred = ledger.cut_short(engine, item)
         request.usage_input, request.usage_output = input_tokens, output_tokens

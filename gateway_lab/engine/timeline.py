@@ -3,11 +3,12 @@
 In vLLM V1 the engine core is a process of its own: while work lasts, its steps follow one
 another at the model's pace, whatever the API server is doing. The emulator runs its step loop
 and its HTTP server in one event loop, so each step would otherwise start when the loop gets
-round to it: writing 20-30 streams' chunks and parsing new requests delays every wake-up by
-~1 ms, and under kvwarden's workload that stretched every 15 ms step by ~8% (the quiet tenant's
-median TTFT 45.8 ms instead of 42.7). So a step that follows another starts where the previous
-one ended, and the host's lag only delays when its tokens are delivered, as a busy API server
-delays a real engine's output.
+round to it: writing 20-30 streams' chunks and parsing new requests delays each wake-up by
+~1.2 ms on average under kvwarden's workload (~15 ms steps). So a step that follows another
+starts where the previous one ended, and the host's lag only delays when its tokens are
+delivered, as a busy API server delays a real engine's output. With the engine on a core of
+its own the difference is small (quiet P99 beside the flooder 53.6 -> 50.8 ms, the median
+unchanged: `extproc bench engine-clock`, docs/calibration.md); it grows with the host's load.
 
 Causality is kept: a request that arrived after the previous step ended cannot join a step that
 starts before it arrived, so such a step starts at that arrival instead (never earlier than the
