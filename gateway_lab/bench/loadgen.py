@@ -41,6 +41,8 @@ class Load:
         self.request_timeout_s = request_timeout_s
         self.meter = meter
         self.t0 = time.perf_counter() if t0 is None else t0
+        self.wall_t0 = time.time() - (time.perf_counter() - self.t0)
+        """The wall-clock time of time 0 (to join records with other processes' logs)."""
         self.records: list[Record] = []
         self.pending: dict[int, Record] = {}
         self.sent: dict[str, int] = {}

@@ -23,6 +23,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from gateway_lab.bench import quiet_path
 from gateway_lab.bench.records import percentile
 
 TIMING_FIELDS = {
@@ -78,6 +79,7 @@ def timed_bootstrap(text: str) -> str:
         fields.update(EXT_PROC_FIELDS)
         fields[MARK] = "1"
         fields["tenant_header"] = "%REQ(X-BENCH-TENANT)%"
+        fields[quiet_path.START_FIELD] = quiet_path.START_FORMAT
         fields["details"] = "%RESPONSE_CODE_DETAILS%"
         found += 1
     if not found:
@@ -171,7 +173,7 @@ def print_breakdown(by_arm: Mapping[str, Mapping[str, Any]]) -> None:
     arms = list(by_arm)
     if not arms:
         return
-    print("\nper-phase medians (ms, from Envoy's access log), quiet tenant alone:")
+    print("\nper-phase medians (ms, Envoy's access log), the quiet tenant's answered requests:")
     print(f"{'step':58}" + "".join(f"{arm:>16}" for arm in arms))
     labels = [label for label, _start, _end in STEPS]
     labels[2:2] = list(EXT_PROC_STEPS.values())[:2]

@@ -16,7 +16,7 @@ them on the admission process's event loop, the layout before, side by side).
 Per arm: the quiet tenant's time to the first streamed chunk (P50/P99, their ratio to the
 quiet tenant alone straight to the engine: "solo"), its failed requests, the flooder's answers
 by status (and whether each non-200 carried Retry-After), and each process's CPU in cores.
-The alone and room arms through Envoy also log Envoy's per-phase timestamps
+Every arm through Envoy also logs Envoy's per-phase timestamps
 (gateway_lab.bench.phases). `--before REV` adds `room-before` and `over-before`: the service of
 that git revision, side by side.
 
@@ -39,7 +39,7 @@ from typing import Any
 
 import orjson
 
-from gateway_lab.bench import phases, reply_probe, revisions, scenario
+from gateway_lab.bench import phases, quiet_path, reply_probe, revisions, scenario
 from gateway_lab.bench.cores import (
     CoreSplit,
     descendants,
@@ -172,7 +172,9 @@ def front_pids(gateway: Gateway) -> dict[str, int]:
 async def drive(
     arm: Arm, gateway: Gateway, work: Workload, timing: Timing, pids: dict[str, int], seed: int,
     probe_cores: frozenset[int] | None = None, probe: bool = False,
-) -> dict[str, Any]:  # fmt: skip
+) -> tuple[dict[str, Any], list[Record], float]:  # fmt: skip
+    """The arm's summary, the quiet tenant's records of the measured window and the
+    wall-clock time of the records' time 0."""
     url = gateway.base_url + "/v1/completions"
     meter = Meter(bin_s=0.5)
     cpu: dict[str, dict[str, float]] = {}
@@ -214,7 +216,9 @@ async def drive(
         result = summarize(arm, load.records, timing, cpu, began)
         if probed is not None:
             result["reply_probe"] = probed
-        return result
+        measured = began + timing.warmup_s
+        quiet_records = within(load.records, "quiet", measured, measured + timing.measure_s)
+        return result, quiet_records, load.wall_t0
 
 
 ONSET_S = 10.0
@@ -284,18 +288,20 @@ def run_arm(
         if split is not None:
             for pid in pids.values():
                 pin(pid, split.front)
-        result: dict[str, Any] = scenario.run_async(
+        driven: tuple[dict[str, Any], list[Record], float] = scenario.run_async(
             drive(arm, gateway, work, timing, {**pids, **engine_pids, "loadgen": os.getpid()},
                   seed, None if split is None else split.engine, probe)
         )  # fmt: skip
+        result, records, wall_t0 = driven
         envoy_log = workdir / arm.name / "envoy.log"
     if envoy_log.exists():
         logged = phases.read_phase_log(envoy_log)
         result["envoy_details"] = phases.details_by_tenant(logged)
         quiet_phases = phases.breakdown(logged, "quiet")
         result["quiet_ext_proc_waits_ms"] = phases.ext_proc_waits(quiet_phases)
-        if arm.phases:
-            result["phases"] = quiet_phases
+        result["phases"] = quiet_phases
+        joined = quiet_path.join(records, logged, wall_t0, "quiet")
+        result["quiet_path"] = quiet_path.split(joined)
     quiet = result["quiet"]
     log(
         NAME,
@@ -399,6 +405,7 @@ def print_table(summary: dict[str, Any], results: dict[str, dict[str, Any]]) -> 
     print_onset(results)
     phased = {n: r["phases"] for n, r in results.items() if "phases" in r}
     phases.print_breakdown(phased)
+    quiet_path.print_split({n: r["quiet_path"] for n, r in results.items() if "quiet_path" in r})
     reply_probe.print_door(results)
     print("\ntargets:")
     for target, met in summary["targets"].items():

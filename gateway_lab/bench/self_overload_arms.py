@@ -21,7 +21,6 @@ class Arm:
     """straight, noop, kvwarden or service."""
     load: str
     """alone, room or over."""
-    phases: bool = False
     include_usage: bool = False
     """The clients ask for usage themselves: the service then leaves the body alone."""
     accounting_process: bool = True
@@ -39,15 +38,15 @@ class Arm:
 
 
 ARMS = (
-    Arm("alone-straight", "straight", "alone", phases=True),
-    Arm("alone-noop", "noop", "alone", phases=True),
+    Arm("alone-straight", "straight", "alone"),
+    Arm("alone-noop", "noop", "alone"),
     Arm("alone-kvwarden", "kvwarden", "alone"),
-    Arm("alone-service", "service", "alone", phases=True),
-    Arm("alone-service-usage", "service", "alone", phases=True, include_usage=True),
-    Arm("alone-inproc", "service", "alone", phases=True, accounting_process=False),
-    Arm("room-fifo", "straight", "room", phases=True),
-    Arm("room-noop", "noop", "room", phases=True),
-    Arm("room-full", "service", "room", phases=True),
+    Arm("alone-service", "service", "alone"),
+    Arm("alone-service-usage", "service", "alone", include_usage=True),
+    Arm("alone-inproc", "service", "alone", accounting_process=False),
+    Arm("room-fifo", "straight", "room"),
+    Arm("room-noop", "noop", "room"),
+    Arm("room-full", "service", "room"),
     Arm("room-inproc", "service", "room", accounting_process=False),
     Arm("room-kvwarden", "kvwarden", "room"),
     Arm("over-fifo", "straight", "over"),
@@ -94,7 +93,7 @@ def before_arms(source: Path, objective_arms: Sequence[Arm] = ()) -> tuple[Arm, 
     """`room-before`, `over-before` and, for each of `objective_arms`, `<its name>-before`:
     the service of another revision (`--before REV`), with the same policy."""
     return (
-        Arm("room-before", "service", "room", phases=True, source=source),
+        Arm("room-before", "service", "room", source=source),
         Arm("over-before", "service", "over", source=source),
         *(replace(arm, name=f"{arm.name}-before", source=source) for arm in objective_arms),
     )
@@ -104,8 +103,8 @@ def compiled_arms(source: Path) -> tuple[Arm, ...]:
     """`alone-compiled`, `room-compiled`, `over-compiled`: our service from the compiled build
     installed in `source` (`--compiled-src`, scripts/build-compiled.sh)."""
     return (
-        Arm("alone-compiled", "service", "alone", phases=True, source=source),
-        Arm("room-compiled", "service", "room", phases=True, source=source),
+        Arm("alone-compiled", "service", "alone", source=source),
+        Arm("room-compiled", "service", "room", source=source),
         Arm("over-compiled", "service", "over", source=source),
     )
 

@@ -43,6 +43,17 @@ def test_self_overload_quick(tmp_path: Path, capsys: pytest.CaptureFixture[str])
     assert phases["requests"] >= 1
     assert "request -> upstream (ext_proc headers + body)" in phases["steps_ms"]
     assert "flooder" in json.dumps(data["arms"]["room-full"]["envoy_details"])
+    # every answered quiet request of the window is found in Envoy's log, and its parts add up
+    for name in ("alone-service", "room-full"):
+        path = data["arms"][name]["quiet_path"]
+        answered = [r for r in data["arms"][name]["records"]["rows"] if r[0] == "quiet"]
+        assert 1 <= path["requests"] <= len(answered)
+        quiet = data["arms"][name]["quiet"]
+        assert path["requests"] == quiet["count"] - quiet["censored"]
+        slowest = path["slowest_ms"][0]
+        parts = sum(slowest[p] for p in ("in", "door", "engine", "out"))
+        assert parts == pytest.approx(slowest["ttft"], abs=0.01)
+        assert slowest["engine"] > 0 and slowest["door"] > 0 and slowest["in"] > -1
     assert isinstance(data["summary"]["targets"]["added_p50_ms<=1.0"], bool)
     # the probe timed the service's headers reply and read its loop lag; Envoy straight has
     # no ext_proc server to probe
@@ -65,4 +76,5 @@ def test_self_overload_quick(tmp_path: Path, capsys: pytest.CaptureFixture[str])
     assert before_flood >= ALONE_PRIMING and {row[0] for row in rows[:before_flood]} == {"quiet"}
     assert (out / "self-overload.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "per-phase medians" in printed and "targets:" in printed
+    assert "part by part" in printed
     assert "the door's replies" in printed

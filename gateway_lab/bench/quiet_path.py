@@ -1,0 +1,141 @@
+"""Where each of a tenant's requests spent its time to the first chunk, from the client and
+Envoy together: the load generator's record of a request joined with Envoy's access-log line
+of the same request (gateway_lab.bench.phases), by start time.
+
+Per request (ms):
+
+* `in`: the client's start -> Envoy received the request's first byte (the client's send, the
+  connection);
+* `door`: Envoy received it -> its first byte went upstream (the ext_proc round trips, with any
+  wait at the door);
+* `engine`: first byte upstream -> the engine's first body byte at Envoy;
+* `out`: that byte at Envoy -> the client read its first chunk (Envoy relaying it, the client's
+  event loop reading it).
+
+The four add up to the client's time to first chunk. Medians say what a typical request pays;
+the slowest requests say what sets the tail, which is the point above capacity.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from gateway_lab.bench.records import Record, percentile
+
+START_FIELD = "start_s"
+"""Envoy's access-log field with the request's start (epoch seconds, microseconds)."""
+START_FORMAT = "%START_TIME(%s.%6f)%"
+MATCH_WINDOW_S = 0.05
+"""A client record and an Envoy line further apart than this (after the clocks' offset) are not
+the same request: the quiet tenant sends about one a second."""
+PARTS = ("in", "door", "engine", "out")
+
+
+def _number(value: object) -> float | None:
+    if isinstance(value, int | float):
+        return float(value)
+    if isinstance(value, str):
+        try:
+            return float(value)
+        except ValueError:
+            return None
+    return None
+
+
+def join(
+    records: Sequence[Record], rows: Sequence[Mapping[str, Any]], wall_t0: float, tenant: str
+) -> list[dict[str, float]]:
+    """The tenant's answered requests that both sides saw, split into PARTS (ms) with their
+    `ttft` (ms); `wall_t0` is the wall-clock time of the records' time 0."""
+    lines = sorted(
+        (start, row)
+        for row in rows
+        if row.get("tenant_header") == tenant
+        and str(row.get("status")) == "200"
+        and (start := _number(row.get(START_FIELD))) is not None
+    )
+    starts = [start for start, _row in lines]
+    out: list[dict[str, float]] = []
+    for record in records:
+        if record.tenant != tenant or record.status != 200 or record.ttft is None:
+            continue
+        sent = wall_t0 + record.start
+        row = _nearest(lines, starts, sent)
+        if row is None:
+            continue
+        start, line = row
+        door_us = _number(line.get("upstream_start"))
+        first_us = _number(line.get("upstream_first_chunk"))
+        if door_us is None or first_us is None:
+            continue
+        ttft_ms = record.ttft * 1000.0
+        in_ms = (start - sent) * 1000.0
+        out.append(
+            {
+                "ttft": ttft_ms,
+                "in": in_ms,
+                "door": door_us / 1000.0,
+                "engine": (first_us - door_us) / 1000.0,
+                "out": ttft_ms - in_ms - first_us / 1000.0,
+            }
+        )
+    return out
+
+
+def _nearest(
+    lines: Sequence[tuple[float, Mapping[str, Any]]], starts: Sequence[float], at: float
+) -> tuple[float, Mapping[str, Any]] | None:
+    """The line whose start is nearest `at` and within MATCH_WINDOW_S after it (Envoy receives
+    a request after the client starts it)."""
+    best: tuple[float, Mapping[str, Any]] | None = None
+    for start, row in lines[_first_at_or_after(starts, at - MATCH_WINDOW_S) :]:
+        if start > at + MATCH_WINDOW_S:
+            break
+        if best is None or abs(start - at) < abs(best[0] - at):
+            best = (start, row)
+    return best
+
+
+def _first_at_or_after(starts: Sequence[float], at: float) -> int:
+    low, high = 0, len(starts)
+    while low < high:
+        middle = (low + high) // 2
+        if starts[middle] < at:
+            low = middle + 1
+        else:
+            high = middle
+    return low
+
+
+def split(joined: Sequence[Mapping[str, float]], slowest: int = 3) -> dict[str, Any]:
+    """Median of each part, and the parts of the `slowest` requests (by time to first chunk)."""
+    if not joined:
+        return {"requests": 0, "median_ms": {}, "slowest_ms": []}
+    median = {name: percentile([r[name] for r in joined], 50) for name in ("ttft", *PARTS)}
+    worst = sorted(joined, key=lambda r: r["ttft"], reverse=True)[:slowest]
+    return {
+        "requests": len(joined),
+        "median_ms": median,
+        "slowest_ms": [{name: r[name] for name in ("ttft", *PARTS)} for r in worst],
+    }
+
+
+def print_split(by_arm: Mapping[str, Mapping[str, Any]]) -> None:
+    """One block per arm: the median request and the slowest ones, part by part."""
+    shown = {arm: s for arm, s in by_arm.items() if s.get("requests")}
+    if not shown:
+        return
+    print("\nthe quiet tenant's first chunk, part by part (ms, client and Envoy joined):")
+    print(f"{'arm':20} {'request':>10} {'ttft':>8} " + "".join(f"{p:>8}" for p in PARTS))
+    for arm, result in shown.items():
+        rows = [("median", result["median_ms"])]
+        rows += [(f"slowest {i + 1}", r) for i, r in enumerate(result["slowest_ms"])]
+        for i, (label, parts) in enumerate(rows):
+            cells = "".join(f"{_fmt(parts[p]):>8}" for p in PARTS)
+            print(f"{arm if i == 0 else '':20} {label:>10} {_fmt(parts['ttft']):>8} {cells}")
+
+
+def _fmt(value: float) -> str:
+    return "-" if math.isnan(value) else f"{value:.1f}"
