@@ -137,5 +137,25 @@ def print_split(by_arm: Mapping[str, Mapping[str, Any]]) -> None:
             print(f"{arm if i == 0 else '':20} {label:>10} {_fmt(parts['ttft']):>8} {cells}")
 
 
+def plot_split(ax: Any, by_arm: Mapping[str, Mapping[str, Any]]) -> None:
+    """Stacked bars on `ax` (a matplotlib Axes): per arm, the median request and the slowest
+    one, each cut into PARTS."""
+    labels: list[str] = []
+    bars: list[Mapping[str, float]] = []
+    for arm, result in by_arm.items():
+        labels += [f"{arm}\nmedian of each", f"{arm}\nslowest"]
+        bars += [result["median_ms"], result["slowest_ms"][0]]
+    xs = range(len(bars))
+    bottom = [0.0] * len(bars)
+    for part in PARTS:
+        heights = [max(0.0, bar[part]) for bar in bars]
+        ax.bar(xs, heights, bottom=bottom, label=part)
+        bottom = [b + h for b, h in zip(bottom, heights, strict=True)]
+    ax.set_xticks(list(xs), labels, rotation=30, ha="right", fontsize=7)
+    ax.set_ylabel("quiet time to first chunk (ms)")
+    ax.set_title("where it went: client -> Envoy (in), door, engine, relay (out)", fontsize=9)
+    ax.legend(fontsize=8)
+
+
 def _fmt(value: float) -> str:
     return "-" if math.isnan(value) else f"{value:.1f}"

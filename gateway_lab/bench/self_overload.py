@@ -431,7 +431,11 @@ def plot(results: dict[str, dict[str, Any]], summary: dict[str, Any], path: Path
 
     plt = pyplot()
     names = list(summary["rows"])
-    fig, ax = plt.subplots(figsize=(10, 4))
+    paths = {
+        n: r["quiet_path"] for n, r in results.items() if r.get("quiet_path", {}).get("requests")
+    }
+    fig, axes = plt.subplots(1, 2 if paths else 1, figsize=(16 if paths else 10, 4.5))
+    ax = axes[0] if paths else axes
     xs = range(len(names))
     p50 = [summary["rows"][n]["p50_x_solo"] for n in names]
     p99 = [summary["rows"][n]["p99_x_solo"] for n in names]
@@ -442,7 +446,8 @@ def plot(results: dict[str, dict[str, Any]], summary: dict[str, Any], path: Path
     ax.set_xticks(list(xs), names, rotation=30, ha="right")
     ax.set_ylabel("time to first chunk / solo (log)")
     ax.legend()
-    del results
+    if paths:
+        quiet_path.plot_split(axes[1], paths)
     save_figure(fig, path)
 
 
