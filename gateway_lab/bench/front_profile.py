@@ -2,7 +2,8 @@
 beside the do-nothing floor, each sampled with Linux `perf` while the overhead benchmark's
 streamed workload runs through it.
 
-`python -m gateway_lab.bench.front_profile [--arms noop,extproc,extproc-child] [--seconds 15]`
+`python -m gateway_lab.bench.front_profile [--arms noop,extproc,extproc-child] [--seconds 15]
+[--compiled-src .compiled]`
 
 Each arm gets its own stack (two emulated engines, Envoy, the ext_proc server, as
 `extproc bench overhead`), a warm-up, then `--clients` clients back to back asking for
@@ -26,7 +27,8 @@ from pathlib import Path
 from typing import Any
 
 from gateway_lab.bench.cores import descendants
-from gateway_lab.bench.overhead import bench_policy, measure
+from gateway_lab.bench.overhead import COMPILED_ARM, bench_policy, measure
+from gateway_lab.bench.revisions import check_compiled, tree_env
 from gateway_lab.bench.stack import bench_stack
 
 DEFAULT_OUT = Path("results/front-profile")
@@ -66,12 +68,15 @@ def per_chunk_us(samples: Mapping[str, int], chunks: int) -> dict[str, float]:
 
 
 def profile_arm(
-    arm: str, workdir: Path, seconds: float, tokens: int, clients: int
-) -> dict[str, Any]:
+    arm: str, workdir: Path, seconds: float, tokens: int, clients: int,
+    compiled_src: Path | None = None,
+) -> dict[str, Any]:  # fmt: skip
     perf_data = workdir / f"{arm}.perf.data"
     child = arm.endswith("-child")
+    kind = "extproc" if arm == COMPILED_ARM else arm.removesuffix("-child")
+    env = tree_env(compiled_src) if arm == COMPILED_ARM and compiled_src is not None else None
     with bench_stack(
-        workdir / arm, bench_policy, arm.removesuffix("-child"), accounting_process=child
+        workdir / arm, bench_policy, kind, accounting_process=child, extproc_env=env
     ) as stack:
         measure(stack, 20, 4, 2.0)  # warm up connections and caches
         pid = stack.pid_of("extproc")
@@ -133,15 +138,23 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tokens", type=int, default=500, help="output tokens per response")
     parser.add_argument("--clients", type=int, default=32)
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    parser.add_argument(
+        "--compiled-src", type=Path, metavar="DIR",
+        help=f"the compiled build in DIR (scripts/build-compiled.sh): adds the arm "
+        f"{COMPILED_ARM!r}, the child layout running it",
+    )  # fmt: skip
     args = parser.parse_args(argv)
     if shutil.which("perf") is None:
         print("front_profile needs `perf` (Debian: linux-perf)", file=sys.stderr)
         return 2
     args.out.mkdir(parents=True, exist_ok=True)
+    arms = [arm.strip() for arm in args.arms.split(",") if arm.strip()]
+    if args.compiled_src is not None:
+        check_compiled(args.compiled_src)
+        arms.append(COMPILED_ARM)
     results = [
-        profile_arm(arm.strip(), args.out, args.seconds, args.tokens, args.clients)
-        for arm in args.arms.split(",")
-        if arm.strip()
+        profile_arm(arm, args.out, args.seconds, args.tokens, args.clients, args.compiled_src)
+        for arm in arms
     ]
     print_table(results)
     (args.out / "results.json").write_text(json.dumps(results, indent=2))
