@@ -3,7 +3,7 @@ beside the do-nothing floor, each sampled with Linux `perf` while the overhead b
 streamed workload runs through it.
 
 `python -m gateway_lab.bench.front_profile [--arms noop,extproc,extproc-child] [--seconds 15]
-[--compiled-src .compiled]`
+[--compiled-src .compiled] [--before REV]`
 
 Each arm gets its own stack (two emulated engines, Envoy, the ext_proc server, as
 `extproc bench overhead`), a warm-up, then `--clients` clients back to back asking for
@@ -22,17 +22,19 @@ import json
 import shutil
 import subprocess
 import sys
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from gateway_lab.bench.cores import descendants
 from gateway_lab.bench.overhead import COMPILED_ARM, bench_policy, measure
-from gateway_lab.bench.revisions import check_compiled, tree_env
+from gateway_lab.bench.revisions import check_compiled, tree_env, tree_of_rev
 from gateway_lab.bench.stack import bench_stack
 
 DEFAULT_OUT = Path("results/front-profile")
 FREQUENCY_HZ = 999
+BEFORE_ARM = "before-child"
+"""With `--before REV`: the child layout running the service of git revision REV."""
 SETTLE_S = 3.0
 """perf stops this long before the load does, so it samples the steady state only."""
 
@@ -69,12 +71,14 @@ def per_chunk_us(samples: Mapping[str, int], chunks: int) -> dict[str, float]:
 
 def profile_arm(
     arm: str, workdir: Path, seconds: float, tokens: int, clients: int,
-    compiled_src: Path | None = None,
+    sources: Mapping[str, Path] | None = None,
 ) -> dict[str, Any]:  # fmt: skip
+    """`sources`: the tree each of the arms COMPILED_ARM and BEFORE_ARM runs."""
     perf_data = workdir / f"{arm}.perf.data"
     child = arm.endswith("-child")
-    kind = "extproc" if arm == COMPILED_ARM else arm.removesuffix("-child")
-    env = tree_env(compiled_src) if arm == COMPILED_ARM and compiled_src is not None else None
+    source = (sources or {}).get(arm)
+    kind = "extproc" if source is not None else arm.removesuffix("-child")
+    env = tree_env(source) if source is not None else None
     with bench_stack(
         workdir / arm, bench_policy, kind, accounting_process=child, extproc_env=env
     ) as stack:
@@ -114,6 +118,25 @@ def profile_arm(
     }
 
 
+def merge(runs: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """One arm's rounds as one: samples and chunks summed, CPU per request averaged."""
+    samples: dict[str, int] = {}
+    for run in runs:
+        for name, count in run["samples"].items():
+            samples[name] = samples.get(name, 0) + count
+    chunks = sum(run["chunks_sampled"] for run in runs)
+    return {
+        "arm": runs[0]["arm"],
+        "rounds": len(runs),
+        "samples": samples,
+        "sampled_s": sum(run["sampled_s"] for run in runs),
+        "chunks_sampled": chunks,
+        "us_per_chunk": per_chunk_us(samples, chunks),
+        "cpu_us_per_request": sum(r["cpu_us_per_request"] for r in runs) / len(runs),
+        "chunks_per_request": runs[0]["chunks_per_request"],
+    }
+
+
 def print_table(results: Iterable[Mapping[str, Any]]) -> None:
     rows = list(results)
     names = sorted({n for r in rows for n in r["us_per_chunk"]},
@@ -139,9 +162,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--clients", type=int, default=32)
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
     parser.add_argument(
+        "--rounds", type=int, default=1,
+        help="repeat the arms, in alternating order, and merge each arm's rounds",
+    )  # fmt: skip
+    parser.add_argument(
         "--compiled-src", type=Path, metavar="DIR",
         help=f"the compiled build in DIR (scripts/build-compiled.sh): adds the arm "
         f"{COMPILED_ARM!r}, the child layout running it",
+    )  # fmt: skip
+    parser.add_argument(
+        "--before", metavar="REV",
+        help=f"adds the arm {BEFORE_ARM!r}: the child layout running git revision REV, side by "
+        "side with this checkout's",
     )  # fmt: skip
     args = parser.parse_args(argv)
     if shutil.which("perf") is None:
@@ -149,13 +181,21 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     args.out.mkdir(parents=True, exist_ok=True)
     arms = [arm.strip() for arm in args.arms.split(",") if arm.strip()]
+    sources: dict[str, Path] = {}
     if args.compiled_src is not None:
         check_compiled(args.compiled_src)
-        arms.append(COMPILED_ARM)
-    results = [
-        profile_arm(arm, args.out, args.seconds, args.tokens, args.clients, args.compiled_src)
-        for arm in arms
+        sources[COMPILED_ARM] = args.compiled_src
+    if args.before is not None:
+        sources[BEFORE_ARM] = tree_of_rev(args.before, args.out / "before-src")
+    arms += list(sources)
+    runs = [
+        profile_arm(
+            arm, args.out / f"round-{turn}", args.seconds, args.tokens, args.clients, sources
+        )
+        for turn in range(args.rounds)
+        for arm in (arms if turn % 2 == 0 else arms[::-1])  # drift hits every arm alike
     ]
+    results = [merge([r for r in runs if r["arm"] == arm]) for arm in arms]
     print_table(results)
     (args.out / "results.json").write_text(json.dumps(results, indent=2))
     print(f"\nresults: {args.out / 'results.json'}")

@@ -51,3 +51,17 @@ def test_samples_become_microseconds_per_chunk() -> None:
     # 999 samples a second: 999 samples are one second of CPU; over 20,000 chunks, 50 us each
     assert front_profile.per_chunk_us({"x": 999}, 20_000) == {"x": pytest.approx(50.0)}
     assert front_profile.per_chunk_us({"x": 10}, 0) == {}
+
+
+def test_rounds_of_an_arm_merge_into_one() -> None:
+    rounds = [
+        {"arm": "a", "samples": {"x": 999, "y": 10}, "sampled_s": 12.0, "chunks_sampled": 10_000,
+         "cpu_us_per_request": 30_000.0, "chunks_per_request": 503.0},
+        {"arm": "a", "samples": {"x": 999}, "sampled_s": 12.0, "chunks_sampled": 30_000,
+         "cpu_us_per_request": 34_000.0, "chunks_per_request": 503.0},
+    ]  # fmt: skip
+    merged = front_profile.merge(rounds)
+    assert merged["rounds"] == 2 and merged["samples"] == {"x": 1998, "y": 10}
+    assert merged["chunks_sampled"] == 40_000
+    assert merged["us_per_chunk"]["x"] == pytest.approx(50.0)  # 2 s of CPU over 40,000 chunks
+    assert merged["cpu_us_per_request"] == pytest.approx(32_000.0)
