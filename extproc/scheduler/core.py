@@ -438,14 +438,12 @@ class Scheduler:
 
     # --- leases ---------------------------------------------------------------------------------
 
-    def charge_output(self, lease_id: int, tokens: int, at: float | None = None) -> bool:
-        """Output tokens streamed for an admitted request (a delta, not a running total);
-        `at`: when the last of them arrived on the clock's time line (None: now), for the
-        inter-token gaps of tokens reported after a delay."""
+    def charge_output(self, lease_id: int, tokens: int) -> bool:
+        """Output tokens streamed for an admitted request (a delta, not a running total)."""
         held = self._live.leases.get(lease_id)
         if held is None:
             return False
-        self._leases.charge_output(held, tokens, self.clock.now() if at is None else at)
+        self._leases.charge_output(held, tokens, self.clock.now())
         return True
 
     def first_token(self, lease_id: int) -> bool:

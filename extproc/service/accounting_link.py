@@ -9,16 +9,11 @@ server of its own: the per-chunk work leaves the admission loop, and what reache
 compact, batched events on a socket pair:
 
     attach (stream, request id), response started (status, upstream), first byte (when),
-    output (tokens summed over a batch, when the last of them arrived), settle (usage or
-    none, output seen)
+    output (tokens, summed over a batch), settle (usage or none, output seen)
 
 `ForwardingPort` is the child's `AccountingPort`: its leases append events to a batch that is
-written at the end of the event-loop turn that made one of the control events (all but
-output), and otherwise OUTPUT_FLUSH_S after the first output of the batch: every chunk's
-output is the bulk of the events, and a write per turn (with the parent's wake-up to read it)
-was a tenth of the two processes' CPU samples under streamed load (docs/benchmarks.md, "Where
-the CPU per chunk goes"). `EventApplier` is the parent's end: it replays the events on the
-real port (extproc.service.gateway), so settlement, first-token pacing and every metric
+written once per event-loop turn. `EventApplier` is the parent's end: it replays the events
+on the real port (extproc.service.gateway), so settlement, first-token pacing and every metric
 are what they are with the in-process accounting. A lost link settles every open lease with
 what it was told, so no capacity leaks when the child dies.
 """
@@ -47,12 +42,6 @@ IDLE_LAG_INTERVAL_S = 0.5
 """With no stream open the child reports this seldom: an idle service's two processes would
 otherwise both wake 20 times a second for nothing. A stream's attach brings the busy interval
 back at once, and the parent counts the silence since a forward at the busy interval."""
-OUTPUT_FLUSH_S = 0.02
-"""The longest a stream's output tokens wait in the child before they are written to the
-parent with nothing else to send. They carry their arrival time, so the inter-token gaps the
-parent measures (its metrics, the δ model) are the chunks' own; what waits is the charge to
-the fair share, and on a lost link that much output is settled by the engines' counters
-(extproc.service.reconcile) instead."""
 _HEADER = struct.Struct("!I")
 MAX_FRAME = 64 * 1024 * 1024
 
@@ -117,8 +106,6 @@ class ForwardedLease:
         self._port = port
         self._stream = stream
         self.pending_output = 0
-        self.output_at = 0.0
-        """When the last of the pending output arrived (CLOCK_MONOTONIC)."""
 
     def response_started(self, status: int, upstream: str | None) -> None:
         self._port.emit([STARTED, self._stream, status, upstream])
@@ -127,16 +114,14 @@ class ForwardedLease:
         # CLOCK_MONOTONIC is one clock for every process of the host.
         self._port.emit([FIRST_BYTE, self._stream, at])
 
-    def charge_output(self, tokens: int, at: float | None = None) -> None:
+    def charge_output(self, tokens: int) -> None:
         if not self.pending_output:
             self._port.output_pending(self)
         self.pending_output += tokens
-        self.output_at = time.monotonic() if at is None else at
 
     def flush_output(self) -> None:
         if self.pending_output:
-            event = [OUTPUT, self._stream, self.pending_output, self.output_at]
-            self._port.emit(event, schedule=False)
+            self._port.emit([OUTPUT, self._stream, self.pending_output], schedule=False)
             self.pending_output = 0
 
     def settle(self, usage: Usage | None, output_seen: int) -> None:
@@ -146,15 +131,13 @@ class ForwardedLease:
 
 
 class ForwardingPort:
-    """The child's `AccountingPort`: `write` sends a frame at the end of a turn that made a
-    control event, or OUTPUT_FLUSH_S after the first output that waits."""
+    """The child's `AccountingPort`: `write` sends one frame per event-loop turn."""
 
     def __init__(self, write: Callable[[bytes], None]) -> None:
         self._write = write
         self._events: list[list[object]] = []
         self._output: list[ForwardedLease] = []
         self._scheduled = False
-        self._output_timer: asyncio.TimerHandle | None = None
         self._next_stream = 0
         self.open_streams = 0
         """Attached and not settled yet."""
@@ -178,9 +161,7 @@ class ForwardingPort:
 
     def output_pending(self, lease: ForwardedLease) -> None:
         self._output.append(lease)
-        if self._output_timer is None and not self._scheduled:
-            loop = asyncio.get_running_loop()
-            self._output_timer = loop.call_later(OUTPUT_FLUSH_S, self.flush)
+        self._schedule()
 
     def _schedule(self) -> None:
         if not self._scheduled:
@@ -189,11 +170,7 @@ class ForwardingPort:
             asyncio.get_running_loop().call_soon(self.flush)
 
     def flush(self) -> None:
-        """Write what waits, output included, as one frame."""
         self._scheduled = False
-        if self._output_timer is not None:
-            self._output_timer.cancel()
-            self._output_timer = None
         for lease in self._output:
             lease.flush_output()
         self._output.clear()
@@ -333,8 +310,7 @@ class EventApplier:
         if kind == OUTPUT:
             tokens = _int(event[2])
             entry.output_seen += tokens
-            at = event[3] if len(event) > 3 else None
-            entry.lease.charge_output(tokens, float(at) if isinstance(at, int | float) else None)
+            entry.lease.charge_output(tokens)
         elif kind == FIRST_BYTE:
             at = event[2]
             entry.lease.first_byte(float(at) if isinstance(at, int | float) else 0.0)

@@ -55,10 +55,8 @@ class AccountedLease(Protocol):
 
     def first_byte(self, at: float) -> None: ...
 
-    def charge_output(self, tokens: int, at: float | None = None) -> None:
-        """Output tokens seen so far in the response, beyond those charged before; `at`:
-        when the last of them arrived (CLOCK_MONOTONIC, one clock for every process of the
-        host), None: now."""
+    def charge_output(self, tokens: int) -> None:
+        """Output tokens seen so far in the response, beyond those charged before."""
 
     def settle(self, usage: Usage | None, output_seen: int) -> None:
         """The response ended: `usage` when the engine reported it, else what passed."""

@@ -358,13 +358,12 @@ class LocalLease:
         if request.grant is not None and not request.released:
             self._settlement.admission.first_token(request.grant)
 
-    def charge_output(self, tokens: int, at: float | None = None) -> None:
-        # Called once per chunk that carries output tokens (tokens > 0), or per batch of
-        # them from an accounting child (`at`: when its last chunk arrived).
-        self._inter_token.tokens_arrived(tokens, time.monotonic() if at is None else at)
+    def charge_output(self, tokens: int) -> None:
+        # Called once per chunk that carries output tokens (tokens > 0).
+        self._inter_token.tokens_arrived(tokens, time.monotonic())
         request = self._request
         if request.grant is not None and not request.released:
-            self._settlement.admission.charge_output(request.grant, tokens, at)
+            self._settlement.admission.charge_output(request.grant, tokens)
 
     def settle(self, usage: Usage | None, output_seen: int) -> None:
         self._forget(self._request.request_id)

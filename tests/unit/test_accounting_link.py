@@ -13,8 +13,6 @@ from extproc.service.accounting_link import (
     IDLE_LAG_INTERVAL_S,
     LAG,
     LAG_INTERVAL_S,
-    OUTPUT,
-    OUTPUT_FLUSH_S,
     EventApplier,
     ForwardingPort,
     FrameReader,
@@ -35,8 +33,8 @@ class RecordingLease:
     def first_byte(self, at: float) -> None:
         self.calls.append(("first_byte", at))
 
-    def charge_output(self, tokens: int, at: float | None = None) -> None:
-        self.calls.append(("output", tokens, at))
+    def charge_output(self, tokens: int) -> None:
+        self.calls.append(("output", tokens))
 
     def settle(self, usage: Usage | None, output_seen: int) -> None:
         self.calls.append(("settle", usage, output_seen))
@@ -60,68 +58,34 @@ def test_frames_cut_anywhere_come_out_whole() -> None:
         assert reader.feed(stream[:cut]) + reader.feed(stream[cut:]) == frames
 
 
-def _applied(sent: list[bytes]) -> RecordingPort:
-    parent = RecordingPort()
-    applier = EventApplier(parent)
-    for frame in FrameReader().feed(b"".join(sent)):
-        applier.apply(frame)
-    return parent
-
-
-async def test_control_events_go_at_the_end_of_the_turn_and_output_waits_for_its_interval() -> None:
+async def test_a_turn_of_output_is_one_event_and_the_settle_comes_after_it() -> None:
     sent: list[bytes] = []
     child = ForwardingPort(sent.append)
     lease = child.attach("r1")
     assert lease is not None
     lease.response_started(200, "10.0.0.1:8000")
     lease.first_byte(12.5)
-    await asyncio.sleep(0)  # the turn ends: the control events go at once
-    assert len(sent) == 1
-    began = time.monotonic()
-    for turn in range(3):  # chunks over three turns: their output waits
-        for chunk in range(2):
-            lease.charge_output(1, at=100.0 + turn + chunk / 10)
-        await asyncio.sleep(0)
-    assert len(sent) == 1
-    await _until(lambda: len(sent) == 2, "the output's flush")
-    assert time.monotonic() - began >= OUTPUT_FLUSH_S * 0.9
-    lease.charge_output(2, at=104.0)
-    lease.settle(Usage(3, 8, 11), 8)  # a control event: the output before it goes with it
+    for _ in range(5):  # five chunks read in one event-loop turn
+        lease.charge_output(1)
+    await asyncio.sleep(0)  # the turn ends: one frame
+    lease.charge_output(2)
+    lease.settle(Usage(3, 7, 10), 7)
     await asyncio.sleep(0)
-    assert len(sent) == 3
-    parent = _applied(sent)
+    assert len(sent) == 2
+    parent = RecordingPort()
+    applier = EventApplier(parent)
+    reader = FrameReader()
+    for frame in reader.feed(b"".join(sent)):
+        applier.apply(frame)
     assert parent.attached == ["r1"]
     assert parent.calls == [
         ("started", 200, "10.0.0.1:8000"),
         ("first_byte", 12.5),
-        ("output", 6, 102.1),  # six tokens, stamped with the last one's arrival
-        ("output", 2, 104.0),
-        ("settle", Usage(3, 8, 11), 8),
+        ("output", 5),
+        ("output", 2),
+        ("settle", Usage(3, 7, 10), 7),
     ]
-
-
-async def test_output_goes_with_a_control_event_of_another_stream() -> None:
-    sent: list[bytes] = []
-    child = ForwardingPort(sent.append)
-    first = child.attach("r1")
-    assert first is not None
-    await asyncio.sleep(0)
-    first.charge_output(3, at=7.0)
-    second = child.attach("r2")  # a control event in the same turn
-    assert second is not None
-    await asyncio.sleep(0)
-    assert len(sent) == 2
-    frame = FrameReader().feed(sent[1])[0]
-    assert [event[0] for event in frame] == [ATTACH, OUTPUT]
-    await asyncio.sleep(OUTPUT_FLUSH_S * 2)  # the output's timer was cancelled: no empty frame
-    assert len(sent) == 2
-
-
-async def test_the_parent_passes_the_arrival_time_on_and_reads_events_without_one() -> None:
-    parent = RecordingPort()
-    applier = EventApplier(parent)
-    applier.apply([["a", 1, "r1"], [OUTPUT, 1, 4, 55.5], [OUTPUT, 1, 2]])
-    assert parent.calls == [("output", 4, 55.5), ("output", 2, None)]
+    assert applier.open_streams == 0
 
 
 async def test_a_lost_link_settles_what_is_open_with_the_output_seen() -> None:

@@ -119,20 +119,6 @@ def test_token_delta_from_the_alone_step() -> None:
     assert tokens["samples"] == 2  # the gaps after the alone step had 3 samples
 
 
-def test_tokens_reported_late_count_from_when_they_arrived() -> None:
-    """An accounting child reports a batch of chunks after they arrived, stamped with the
-    last one's arrival: the gaps are the chunks' own, not the report's."""
-    sched, clock = _scheduler()
-    lone = _one(sched, "lone", "quiet")
-    arrived = clock.now()
-    for _ in range(5):  # chunks 20 ms apart, all reported at one later moment
-        arrived += 0.02
-        sched.charge_output(lone.lease.lease_id, 1, at=arrived)
-    clock.advance(0.5)
-    alone = sched.snapshot()["pools"]["p"]["alone"]
-    assert alone["step_samples"] == 4 and alone["step_s"] == pytest.approx(0.02)
-
-
 def test_the_controller_cuts_once_per_cooldown_and_opens_with_slack() -> None:
     control = DeltaController()
     control.observe(0.5, 0.1, 10.0)
