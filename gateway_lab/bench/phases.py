@@ -23,7 +23,6 @@ from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from gateway_lab.bench import quiet_path
 from gateway_lab.bench.records import percentile
 
 TIMING_FIELDS = {
@@ -34,6 +33,10 @@ TIMING_FIELDS = {
     "client_headers": "%COMMON_DURATION(DS_RX_BEG:DS_TX_BEG:us)%",
 }
 PHASES = tuple(TIMING_FIELDS)
+START_FIELD = "start_s"
+START_FORMAT = "%START_TIME(%s.%6f)%"
+"""The request's start, epoch seconds with microseconds: joins a line with the client's record
+of the same request (gateway_lab.bench.quiet_path)."""
 EXT_PROC_FIELDS = {
     f"ext_proc_{name}": f"%FILTER_STATE(extproc.admission:FIELD:{name})%"
     for name in (
@@ -79,7 +82,7 @@ def timed_bootstrap(text: str) -> str:
         fields.update(EXT_PROC_FIELDS)
         fields[MARK] = "1"
         fields["tenant_header"] = "%REQ(X-BENCH-TENANT)%"
-        fields[quiet_path.START_FIELD] = quiet_path.START_FORMAT
+        fields[START_FIELD] = START_FORMAT
         fields["details"] = "%RESPONSE_CODE_DETAILS%"
         found += 1
     if not found:
@@ -101,7 +104,8 @@ def read_phase_log(path: Path) -> list[dict[str, Any]]:
     return rows
 
 
-def _number(value: object) -> float | None:
+def logged_number(value: object) -> float | None:
+    """A field of Envoy's access log as a number; None for a missing one ("-", "")."""
     if isinstance(value, int | float):
         return float(value)
     if isinstance(value, str) and value not in ("", "-"):
@@ -122,19 +126,19 @@ def breakdown(rows: Sequence[Mapping[str, Any]], tenant: str | None = None) -> d
     ]
     phases: dict[str, dict[str, float]] = {}
     for name in PHASES:
-        values = [v for r in chosen if (v := _number(r.get(name))) is not None]
+        values = [v for r in chosen if (v := logged_number(r.get(name))) is not None]
         phases[name] = _summary(values)
     steps: dict[str, dict[str, float]] = {}
     for label, start, end in STEPS:
         values = []
         for r in chosen:
-            stop = _number(r.get(end))
-            begin = 0.0 if start is None else _number(r.get(start))
+            stop = logged_number(r.get(end))
+            begin = 0.0 if start is None else logged_number(r.get(start))
             if stop is not None and begin is not None:
                 values.append(stop - begin)
         steps[label] = _summary(values)
     for name in EXT_PROC_FIELDS:
-        values = [v for r in chosen if (v := _number(r.get(name))) is not None]
+        values = [v for r in chosen if (v := logged_number(r.get(name))) is not None]
         if values:
             steps[EXT_PROC_STEPS[name]] = _summary(values)
     return {"requests": len(chosen), "phases_ms": phases, "steps_ms": steps}

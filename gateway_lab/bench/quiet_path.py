@@ -22,26 +22,13 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from gateway_lab.bench.phases import START_FIELD, logged_number
 from gateway_lab.bench.records import Record, percentile
 
-START_FIELD = "start_s"
-"""Envoy's access-log field with the request's start (epoch seconds, microseconds)."""
-START_FORMAT = "%START_TIME(%s.%6f)%"
 MATCH_WINDOW_S = 0.05
 """A client record and an Envoy line further apart than this (after the clocks' offset) are not
 the same request: the quiet tenant sends about one a second."""
 PARTS = ("in", "door", "engine", "out")
-
-
-def _number(value: object) -> float | None:
-    if isinstance(value, int | float):
-        return float(value)
-    if isinstance(value, str):
-        try:
-            return float(value)
-        except ValueError:
-            return None
-    return None
 
 
 def join(
@@ -54,7 +41,7 @@ def join(
         for row in rows
         if row.get("tenant_header") == tenant
         and str(row.get("status")) == "200"
-        and (start := _number(row.get(START_FIELD))) is not None
+        and (start := logged_number(row.get(START_FIELD))) is not None
     )
     starts = [start for start, _row in lines]
     out: list[dict[str, float]] = []
@@ -66,8 +53,8 @@ def join(
         if row is None:
             continue
         start, line = row
-        door_us = _number(line.get("upstream_start"))
-        first_us = _number(line.get("upstream_first_chunk"))
+        door_us = logged_number(line.get("upstream_start"))
+        first_us = logged_number(line.get("upstream_first_chunk"))
         if door_us is None or first_us is None:
             continue
         ttft_ms = record.ttft * 1000.0

@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from gateway_lab.bench import quiet_path
+from gateway_lab.bench import phases, quiet_path
 from gateway_lab.bench.records import Record
 
 WALL_T0 = 1_800_000_000.0
@@ -23,7 +23,7 @@ def line(
     return {
         "tenant_header": tenant,
         "status": status,
-        quiet_path.START_FIELD: f"{WALL_T0 + start:.6f}",
+        phases.START_FIELD: f"{WALL_T0 + start:.6f}",
         "upstream_start": str(door_us),
         "upstream_first_chunk": str(first_us),
     }
