@@ -377,10 +377,17 @@ def test_a_small_step_budget_shortens_a_decoding_requests_longest_gaps(
 
     from gateway_lab.bench.calibrate_sched import decode_beside_longs
 
-    def largest_gaps(engine: VllmServer) -> list[float]:
-        samples = asyncio.run(decode_beside_longs(engine.base_url, 4, 2, random.Random(5)))
-        return sorted(gap for sample in samples for gap in sample.gaps_s)[-4:]
+    def gaps(engine: VllmServer, seed: int) -> list[float]:
+        samples = asyncio.run(decode_beside_longs(engine.base_url, 4, 1, random.Random(seed)))
+        return [gap for sample in samples for gap in sample.gaps_s]
 
-    whole, chunked = largest_gaps(unthresholded), largest_gaps(small_steps)
-    # The 4th largest of ~126 gaps: past one outlier per run on a loaded machine.
-    assert chunked[0] < 0.6 * whole[0], (chunked, whole)
+    whole: list[float] = []
+    chunked: list[float] = []
+    for turn in range(3):  # the engines in turns, so a slower spell of the host hits both
+        whole += gaps(unthresholded, 5 + turn)
+        chunked += gaps(small_steps, 5 + turn)
+    # The 6th largest of ~190 gaps each: the whole-step engine has 12 gaps that wait a whole
+    # prompt's prefill, and the statistic is past five outliers of a loaded host (one CI run
+    # had the 4th largest of two rounds at 0.60x, the chunked engine's rounds run later).
+    whole_6th, chunked_6th = sorted(whole)[-6], sorted(chunked)[-6]
+    assert chunked_6th < 0.6 * whole_6th, (sorted(chunked)[-6:], sorted(whole)[-6:])
