@@ -22,6 +22,7 @@ import json
 import shutil
 import subprocess
 import sys
+from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -101,15 +102,14 @@ def profile_arm(
         ["perf", "report", "-i", str(perf_data), "--sort", "dso", "--stdio", "-n"],
         capture_output=True, text=True, timeout=300, check=True,
     ).stdout  # fmt: skip
-    samples: dict[str, int] = {}
+    samples: Counter[str] = Counter()
     for dso, count in parse_dso_report(report).items():
-        name = short_name(dso)
-        samples[name] = samples.get(name, 0) + count
+        samples[short_name(dso)] += count
     # the chunks perf saw: the run's chunk rate over the sampled seconds
     chunks = round(run["chunks"] / run["elapsed_s"] * sampled_s)
     return {
         "arm": arm,
-        "samples": samples,
+        "samples": dict(samples),
         "sampled_s": sampled_s,
         "chunks_sampled": chunks,
         "us_per_chunk": per_chunk_us(samples, chunks),
@@ -120,15 +120,14 @@ def profile_arm(
 
 def merge(runs: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     """One arm's rounds as one: samples and chunks summed, CPU per request averaged."""
-    samples: dict[str, int] = {}
+    samples: Counter[str] = Counter()
     for run in runs:
-        for name, count in run["samples"].items():
-            samples[name] = samples.get(name, 0) + count
+        samples.update(run["samples"])
     chunks = sum(run["chunks_sampled"] for run in runs)
     return {
         "arm": runs[0]["arm"],
         "rounds": len(runs),
-        "samples": samples,
+        "samples": dict(samples),
         "sampled_s": sum(run["sampled_s"] for run in runs),
         "chunks_sampled": chunks,
         "us_per_chunk": per_chunk_us(samples, chunks),

@@ -18,6 +18,7 @@ the slowest requests say what sets the tail, which is the point above capacity.
 
 from __future__ import annotations
 
+import bisect
 import math
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -26,8 +27,8 @@ from gateway_lab.bench.phases import START_FIELD, logged_number
 from gateway_lab.bench.records import Record, percentile
 
 MATCH_WINDOW_S = 0.05
-"""A client record and an Envoy line further apart than this (after the clocks' offset) are not
-the same request: the quiet tenant sends about one a second."""
+"""A client record and an Envoy line whose starts are further apart than this are not the same
+request (one wall clock for both; the quiet tenant sends about one a second)."""
 PARTS = ("in", "door", "engine", "out")
 
 
@@ -74,26 +75,15 @@ def join(
 def _nearest(
     lines: Sequence[tuple[float, Mapping[str, Any]]], starts: Sequence[float], at: float
 ) -> tuple[float, Mapping[str, Any]] | None:
-    """The line whose start is nearest `at` and within MATCH_WINDOW_S after it (Envoy receives
-    a request after the client starts it)."""
+    """The line whose start is nearest `at`, within MATCH_WINDOW_S of it; `starts` are the
+    lines' starts, for the search."""
     best: tuple[float, Mapping[str, Any]] | None = None
-    for start, row in lines[_first_at_or_after(starts, at - MATCH_WINDOW_S) :]:
+    for start, row in lines[bisect.bisect_left(starts, at - MATCH_WINDOW_S) :]:
         if start > at + MATCH_WINDOW_S:
             break
         if best is None or abs(start - at) < abs(best[0] - at):
             best = (start, row)
     return best
-
-
-def _first_at_or_after(starts: Sequence[float], at: float) -> int:
-    low, high = 0, len(starts)
-    while low < high:
-        middle = (low + high) // 2
-        if starts[middle] < at:
-            low = middle + 1
-        else:
-            high = middle
-    return low
 
 
 def split(joined: Sequence[Mapping[str, float]], slowest: int = 3) -> dict[str, Any]:
