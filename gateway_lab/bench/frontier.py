@@ -21,6 +21,11 @@ capacity (9 requests/s by default), prompts uniform in 512..1,536 tokens and out
 * `steps-N`: the same on an engine with smaller steps (`max_num_batched_tokens`,
   `--step-tokens`).
 
+`--workload over` is issue 16's `over` load (the flooder at 48 requests/s x 256 tokens, above
+what the engine's batch runs) with the service's default capacity, the adaptive soft limit
+fed the engine's own counts (gateway_lab/sim/engine_limits.py), and first-token objectives on
+it: the live `over-full` and `over-first-D` arms without the host they share a core with.
+
 Per point: the quiet tenant's TTFT P50 / P99 and P99 of its per-response time per output
 token, each as a ratio to the quiet tenant alone in the simulator (the same requests, no
 flooder), and the output tokens/s of both tenants in the window against FIFO's. (The
@@ -46,6 +51,7 @@ from gateway_lab.bench.noisy_isolation import listed
 from gateway_lab.bench.records import percentile
 from gateway_lab.bench.stats import fmt
 from gateway_lab.engine.profiles import EngineProfile, get_profile
+from gateway_lab.sim.engine_limits import with_engine_limits
 from gateway_lab.sim.fleet import PoolEngines
 from gateway_lab.sim.records import RequestRecord
 from gateway_lab.sim.simulator import SimConfig, simulate
@@ -55,6 +61,8 @@ NAME = "frontier"
 DEFAULT_OUT = Path("results/frontier")
 PROFILE = "a100-llama3-8b"
 HEADROOM = 8
+ADAPTIVE_CEILING = 512
+"""The adaptive points' max_inflight, as the live self-overload arms' policy."""
 DEFAULT_LIMITS = (4, 8, 16, 32, 64, 96, 128, 192, 248)
 DEFAULT_DELTAS = ("100ms", "300ms", "1s")
 DEFAULT_TAIL_DELTAS = ("100ms", "300ms")
@@ -109,6 +117,15 @@ KVWARDEN = Workload(
 """kvwarden's published workload (the `room` load of `extproc bench self-overload`): one-line
 prompts, 64 tokens, the quiet tenant at 1 request/s beside a flooder at 32; ten simulated
 minutes, so the P99 is of ~600 quiet requests."""
+OVER = Workload(
+    quiet_rate=1.0, quiet_prompt=14, flooder_rate=48.0, flooder_prompt=(14, 14),
+    flooder_output=(256, 256), warmup_s=10.0, measure_s=300.0,
+)  # fmt: skip
+"""The `over` load of `extproc bench self-overload` (issue 16): the flooder at 48 requests/s
+x 256 tokens, above what the engine's batch of 256 sequences runs; the window starts with the
+flood, as the live arm's does, and lasts five simulated minutes."""
+OVER_FIRST_TOKEN = ("20ms", "30ms")
+TARGET_OVER_P99_RATIO = 2.0
 KVWARDEN_BUCKET = "{requests_per_minute: 600, requests_burst: 10, max_queued: 1000000}"
 """kvwarden 0.1.6's hero configuration: a per-tenant bucket of 600 requests/min, burst 10."""
 KVWARDEN_LIMITS = (8, 12, 16, 24, 32, 48, 64)
@@ -138,11 +155,23 @@ class Point:
     prefill budget for backlogged tenants."""
     flooder_limits: str = "{max_queued: 1000000}"
     """The flooder's `limits` (YAML flow text): the `bucket` point is kvwarden's bucket."""
+    engine_policy: str = "priority"
+    """The engine's scheduling policy where the door limits (FIFO is always fcfs); the door
+    sets each request's engine priority only on `priority`."""
+    adaptive: bool = False
+    """The service's default capacity instead of `limit`: the adaptive soft limit, fed the
+    engine's counts (gateway_lab/sim/engine_limits.py), under a ceiling of 512."""
 
 
 def policy_text(point: Point) -> str:
-    fifo = point.limit is None
+    fifo = point.limit is None and not point.adaptive
     inflight = 1_000_000 if point.limit is None else point.limit + HEADROOM
+    capacity = (
+        f"max_inflight: {inflight}, headroom: {0 if fifo else HEADROOM},\n"
+        "       adaptive: {enabled: false},"
+        if not point.adaptive
+        else f"max_inflight: {ADAPTIVE_CEILING},"
+    )
     objective = (
         f"tier_options: {{standard: {{latency_delta: {point.latency_delta}}}}}\n"
         if point.latency_delta
@@ -155,16 +184,16 @@ tiers: [standard]
   quiet: {{tier: standard, limits: {{max_queued: 1000000}}}}
   flooder: {{tier: standard, limits: {point.flooder_limits}}}
 pools:
-  p: {{max_total_tokens: 131072, max_inflight: {inflight}, headroom: {0 if fifo else HEADROOM},
+  p: {{max_total_tokens: 131072, {capacity}
        max_inflight_tokens: 1000000000000, endpoints: ["127.0.0.1:1"],
-       adaptive: {{enabled: false}}, prefill_budget_tokens: {point.prefill_budget},
-       engine_priority: {"false" if fifo else "true"}}}
+       prefill_budget_tokens: {point.prefill_budget},
+       engine_priority: {"true" if not fifo and point.engine_policy == "priority" else "false"}}}
 """
 
 
 def engine_profile(point: Point) -> EngineProfile:
     """The shipped pools' priority policy; FIFO is the engine's own first come, first served."""
-    policy = "fcfs" if point.limit is None else "priority"
+    policy = "fcfs" if point.limit is None and not point.adaptive else point.engine_policy
     profile = get_profile(PROFILE).with_overrides({"scheduling_policy": policy})
     if point.step_tokens is not None:
         profile = profile.with_overrides({"max_num_batched_tokens": point.step_tokens})
@@ -195,6 +224,8 @@ def measure(point: Point, work: Workload, seed: int, flooder: bool = True) -> di
         {"p": PoolEngines("p", engine_profile(point), 1)},
         time_limit=stop,
     )
+    if point.adaptive:
+        config, _ = with_engine_limits(config)
     result = simulate(work.requests(seed, flooder), config)
     quiet = [r for r in result.records if r.tenant == "quiet" and start <= r.arrival < end]
     ttft = [stop - r.arrival if r.ttft is None else r.ttft for r in quiet]
@@ -259,6 +290,29 @@ def kvwarden_points(limits: Sequence[int], first_token: Sequence[str]) -> list[P
     return out
 
 
+def over_points(first_token: Sequence[str]) -> list[Point]:
+    """FIFO, the service's default capacity (the live `over-full` arm) and first-token
+    objectives on it (`over-first-D`)."""
+    out = [Point("fifo", "fifo", None), Point("default", "default policy", None, adaptive=True)]
+    out += [
+        Point(f"first-{d}", "first-token objective", None, adaptive=True,
+              latency_delta=f"{{first_token: {d}}}")
+        for d in first_token
+    ]  # fmt: skip
+    return out
+
+
+def over_target(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """Issue 16 above capacity: quiet P99 <= 2x solo, judged for the default policy."""
+    default = next(row for row in rows if row["point"] == "default")
+    return {
+        "met": default["ttft_p99_x"] <= TARGET_OVER_P99_RATIO,
+        "points_within": [
+            row["point"] for row in rows if row["ttft_p99_x"] <= TARGET_OVER_P99_RATIO
+        ],
+    }
+
+
 def ratios(rows: list[dict[str, Any]], solo: dict[str, Any]) -> dict[str, Any]:
     """Each point's ratios to solo and to FIFO, and where the target region is reached."""
     fifo = next(row for row in rows if row["point"] == "fifo")
@@ -270,6 +324,8 @@ def ratios(rows: list[dict[str, Any]], solo: dict[str, Any]) -> dict[str, Any]:
     bucket = next((row for row in rows if row["point"] == "bucket"), None)
     if bucket is not None:
         return kvwarden_target(rows, bucket)
+    if any(row["point"] == "default" for row in rows):
+        return over_target(rows)
     busy = [row for row in rows if row["of_fifo"] >= TARGET_THROUGHPUT]
     held = [
         row
@@ -320,6 +376,13 @@ def print_table(report: dict[str, Any]) -> None:
         )
     found = report["summary"]
     verdict = "met" if found["met"] else "NOT met"
+    if "points_within" in found:
+        within = ", ".join(found["points_within"]) or "none"
+        print(
+            f"\ntarget (the default policy's quiet P99 TTFT <= {TARGET_OVER_P99_RATIO}x solo): "
+            f"{verdict}; points within it: {within}"
+        )
+        return
     if "flooder_tok_s_needed" in found:
         print(
             f"\ntarget (quiet P99 TTFT <= {TARGET_KVWARDEN_P99_RATIO}x solo with the flooder at "
@@ -374,7 +437,12 @@ def plot(report: dict[str, Any], path: Path) -> None:
 
 
 def run(
-    out: Path, work: Workload, swept: Sequence[Point], seed: int, workload: str = "noisy"
+    out: Path,
+    work: Workload,
+    swept: Sequence[Point],
+    seed: int,
+    workload: str = "noisy",
+    engine_policy: str = "priority",
 ) -> dict[str, Any]:
     began = time.perf_counter()
     solo = measure(Point("solo", "solo", None), work, seed, flooder=False)
@@ -387,7 +455,7 @@ def run(
         "scenario": NAME,
         "workload_name": workload,
         "profile": PROFILE,
-        "engine_policy": "priority",
+        "engine_policy": engine_policy,
         "workload": work.__dict__,
         "seed": seed,
         "solo": solo,
@@ -406,9 +474,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
     parser.add_argument("--quick", action="store_true", help="a short smoke run")
     parser.add_argument(
-        "--workload", choices=("noisy", "kvwarden"), default="noisy",
-        help="noisy-neighbour's (default) or kvwarden's (1 + 32 requests/s, one-line prompts, "
-        "64 tokens; its bucket as a point, the first-token objectives as the δ points)",
+        "--workload", choices=("noisy", "kvwarden", "over"), default="noisy",
+        help="noisy-neighbour's (default), kvwarden's (1 + 32 requests/s, one-line prompts, "
+        "64 tokens; its bucket as a point, the first-token objectives as the δ points) or "
+        "issue 16's `over` (the flooder at 48/s x 256 tokens; the default policy's adaptive "
+        "limit and first-token objectives on it)",
     )  # fmt: skip
     parser.add_argument("--measure", type=float, help="simulated seconds measured (120; 600)")
     parser.add_argument("--limits", help=f"door limits swept (default {DEFAULT_LIMITS}; "
@@ -430,15 +500,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="the same at P99 (quantile 0.99), the tail-D points (default %(default)s)",
     )  # fmt: skip
     parser.add_argument(
-        "--first-token-deltas", default=",".join(KVWARDEN_FIRST_TOKEN),
-        help="first-token objectives of kvwarden's workload (default %(default)s)",
+        "--first-token-deltas",
+        help="first-token objectives of kvwarden's workload (default "
+        f"{','.join(KVWARDEN_FIRST_TOKEN)}) and of `over` ({','.join(OVER_FIRST_TOKEN)})",
     )  # fmt: skip
     parser.add_argument("--seed", type=int, default=7)
+    parser.add_argument(
+        "--engine-policy", choices=("priority", "fcfs"), default="priority",
+        help="the engine's scheduling policy behind a door limit (default %(default)s, as the "
+        "shipped pools run; fcfs is vLLM's own default, where the door sets no priority)",
+    )  # fmt: skip
 
 
 def main(args: argparse.Namespace) -> int:
     kvwarden = args.workload == "kvwarden"
-    work = KVWARDEN if kvwarden else Workload()
+    work = {"kvwarden": KVWARDEN, "over": OVER}.get(args.workload, Workload())
     if args.quick:
         work = replace(work, flooder_start_s=5.0, warmup_s=15.0, measure_s=20.0)
     if args.measure:
@@ -449,12 +525,15 @@ def main(args: argparse.Namespace) -> int:
     if not limits or any(n < 1 for n in [*limits, *steps]):
         raise SystemExit("--limits needs at least one; --limits and --step-tokens are positive")
     swept = (
-        kvwarden_points(limits, listed(args.first_token_deltas))
+        kvwarden_points(limits, listed(args.first_token_deltas or ",".join(KVWARDEN_FIRST_TOKEN)))
         if kvwarden
+        else over_points(listed(args.first_token_deltas or ",".join(OVER_FIRST_TOKEN)))
+        if args.workload == "over"
         else points(limits, args.prefill_budget, steps, listed(args.deltas),
                     listed(args.tail_deltas))
     )  # fmt: skip
-    run(args.out, work, swept, args.seed, args.workload)
+    swept = [replace(point, engine_policy=args.engine_policy) for point in swept]
+    run(args.out, work, swept, args.seed, args.workload, args.engine_policy)
     return 0
 
 

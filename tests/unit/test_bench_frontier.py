@@ -4,6 +4,7 @@ traced in the simulator."""
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -12,10 +13,12 @@ from extproc.policy import policy_from_text
 from gateway_lab.bench.frontier import (
     KVWARDEN,
     KVWARDEN_BUCKET,
+    OVER,
     Point,
     Workload,
     engine_profile,
     kvwarden_points,
+    over_points,
     points,
     policy_text,
     ratios,
@@ -97,3 +100,35 @@ def test_kvwardens_bucket_is_a_flooder_rate_limit_and_its_target_reads_the_flood
     assert summary["best_p99_with_enough_flooder_tokens"] == "door-16"
     rows[2] = row("door-16", 56.0, 1300.0)  # 1.12x: the tail misses
     assert not ratios(rows, solo)["met"]  # type: ignore[arg-type]
+
+
+def test_the_over_points_run_the_services_default_capacity() -> None:
+    """`--workload over`: the default point is the default policy (the adaptive limit, no
+    `adaptive: {enabled: false}`), the objectives sit on it; fcfs engines get no priority."""
+    swept = over_points(["20ms"])
+    assert [p.name for p in swept] == ["fifo", "default", "first-20ms"]
+    for point in swept[1:]:
+        pool = policy_from_text(policy_text(point)).source.pools["p"]
+        assert pool.adaptive_enabled and pool.max_inflight == 512 and pool.engine_priority
+        assert engine_profile(point).scheduling_policy == "priority"
+        fcfs = replace(point, engine_policy="fcfs")
+        assert not policy_from_text(policy_text(fcfs)).source.pools["p"].engine_priority
+        assert engine_profile(fcfs).scheduling_policy == "fcfs"
+    objective = policy_from_text(policy_text(swept[2])).source.tier_options["standard"]
+    assert objective.latency_delta is not None and objective.latency_delta.first_token == 0.02
+    assert OVER.flooder_rate == 48.0 and OVER.flooder_output == (256, 256)
+
+
+def test_above_capacity_the_default_policy_keeps_the_quiet_tenant_out_of_the_queue(
+    tmp_path: Path,
+) -> None:
+    """A short `over` run: FIFO leaves the quiet tenant behind seconds of flood; the adaptive
+    limit keeps it within a few times alone, and the target reads the default point."""
+    work = replace(OVER, measure_s=20.0)
+    report = run(tmp_path, work, over_points([]), seed=3, workload="over")
+    rows = {row["point"]: row for row in report["rows"]}
+    assert rows["fifo"]["ttft_p99_x"] > 50
+    assert rows["default"]["ttft_p99_x"] < 5
+    summary = report["summary"]
+    assert summary["met"] == (rows["default"]["ttft_p99_x"] <= 2.0)
+    assert ("default" in summary["points_within"]) == summary["met"]
