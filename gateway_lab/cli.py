@@ -69,6 +69,10 @@ BENCH_SCENARIOS = {
         "self_overload",
         "a quiet tenant while the gateway itself is overloaded; kvwarden peer; phase timings",
     ),
+    "envoy-counting": (
+        "envoy_counting",
+        "CPU per streamed chunk: tokens counted in Envoy (Lua) vs relayed to ext_proc",
+    ),
 }
 
 

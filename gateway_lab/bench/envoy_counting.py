@@ -2,7 +2,7 @@
 (its Lua filter) instead of relaying every chunk to an ext_proc server: issue 16's "counting
 in Envoy where it can be exact", measured before anything is built on it.
 
-`python -m gateway_lab.bench.envoy_counting [--rounds 2] [--seconds 15]`
+`extproc bench envoy-counting [--rounds 2] [--seconds 15]`
 
 Four stacks in front of the same two emulated engines (as `extproc bench overhead`), up at
 once and measured in turn, the order alternating between rounds:
