@@ -11,6 +11,9 @@ once and measured in turn, the order alternating between rounds:
 * `lua`: Envoy with `COUNTING_LUA` before its router: it scans every response chunk as it
   passes (one token per output delta, the last `usage` object) and leaves the count in the
   stream's dynamic metadata (`gw.tokens`), which the access log prints;
+* `notify`: the same script, which also tells a do-nothing HTTP receiver
+  (gateway_lab/bench/event_sink.py) the count so far every `NOTIFY_EVERY` chunks, with an
+  asynchronous `httpCall`: the cheapest way the service could hear a stream's progress;
 * `noop`: Envoy through the do-nothing ext_proc server (the floor of issue 16's CPU target);
 * `ours`: Envoy through our service, its accounting streams in their child process (the
   shipped layout).
@@ -27,21 +30,27 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import functools
 import json
+import sys
 import time
-from collections.abc import Iterable, Mapping
+import urllib.request
+from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
+from extproc.envoy_config import split_host_port
 from gateway_lab.bench import scenario
 from gateway_lab.bench.cores import tree_cpu_seconds
 from gateway_lab.bench.overhead import bench_policy, closed_run, workload
-from gateway_lab.bench.stack import PROFILE, Gateway, engine_set, gateway_stack
-from gateway_lab.processes import wait_until
+from gateway_lab.bench.stack import PROFILE, Gateway, engine_set, free_port, gateway_stack, running
+from gateway_lab.processes import Child, Stack, http_ok, wait_until
 
 NAME = "envoy_counting"
 DEFAULT_OUT = Path("results/envoy-counting")
-ARMS = ("straight", "lua", "noop", "ours")
+ARMS = ("straight", "lua", "notify", "noop", "ours")
+NOTIFY_EVERY = 16
+EVENTS_CLUSTER = "gateway_events"
 SIZES = (20, 500)
 TOKENS_FIELD = "lua_tokens"
 LOG_WAIT_S = 15.0
@@ -69,10 +78,37 @@ is stored after every chunk: a client that leaves mid-stream ends the script whe
 stands (Envoy runs no more of it), and the access log then shows what had passed."""
 
 
-def with_counting(bootstrap: str) -> str:
+def notifying_lua(every: int) -> str:
+    """`COUNTING_LUA` that also posts the count so far to `EVENTS_CLUSTER` every `every`
+    chunks, without waiting for the answer."""
+    call = (
+        f"    chunks = chunks + 1\n"
+        f"    if chunks % {every} == 0 then\n"
+        f'      handle:httpCall("{EVENTS_CLUSTER}", {{[":method"] = "POST", '
+        f'[":path"] = "/events", [":authority"] = "events"}}, tostring(usage or tokens), '
+        f"1000, true)\n"
+        f"    end\n"
+    )
+    script = COUNTING_LUA.replace(
+        "  local usage = nil\n", "  local usage = nil\n  local chunks = 0\n"
+    )
+    return script.replace("  end\nend\n", call + "  end\nend\n")
+
+
+def with_counting(bootstrap: str, events: str | None = None) -> str:
     """Envoy's rendered bootstrap (JSON) with the counting filter before the router of every
-    HTTP connection manager, and its count in the access log's JSON lines."""
+    HTTP connection manager, and its count in the access log's JSON lines; with `events`
+    (HOST:PORT), the notifying script and a cluster for it."""
     config = json.loads(bootstrap)
+    script = COUNTING_LUA if events is None else notifying_lua(NOTIFY_EVERY)
+    if events is not None:
+        host, port = split_host_port(events)
+        endpoint = {"address": {"socketAddress": {"address": host, "portValue": port}}}
+        config["staticResources"]["clusters"].append({
+            "name": EVENTS_CLUSTER, "type": "STATIC", "connectTimeout": "1s",
+            "loadAssignment": {"clusterName": EVENTS_CLUSTER,
+                               "endpoints": [{"lbEndpoints": [{"endpoint": endpoint}]}]},
+        })  # fmt: skip
     managers = list(_managers(config))
     if not managers:
         raise ValueError("no HTTP connection manager in the bootstrap")
@@ -82,7 +118,7 @@ def with_counting(bootstrap: str) -> str:
             "name": "envoy.filters.http.lua",
             "typedConfig": {
                 "@type": "type.googleapis.com/envoy.extensions.filters.http.lua.v3.Lua",
-                "defaultSourceCode": {"inlineString": COUNTING_LUA},
+                "defaultSourceCode": {"inlineString": script},
             },
         })  # fmt: skip
         for log in manager.get("accessLog", []):
@@ -114,19 +150,23 @@ def counted_tokens(log_text: str) -> list[int]:
     return counts
 
 
-def _cpu(gateway: Gateway) -> dict[str, float]:
-    """CPU seconds of Envoy and of the ext_proc process tree (0 without one)."""
-    out = {}
-    for name, key in (("envoy", "envoy"), ("extproc", "front")):
-        pid = gateway.pid_of(name)
-        out[key] = 0.0 if pid is None else tree_cpu_seconds(pid)
-    return out
+def _cpu(gateway: Gateway, front: int | None) -> dict[str, float]:
+    """CPU seconds of Envoy and of the process tree behind it (the ext_proc server, or
+    `front`: the event receiver), 0 without one."""
+    envoy = gateway.pid_of("envoy")
+    front = gateway.pid_of("extproc") if front is None else front
+    return {
+        "envoy": 0.0 if envoy is None else tree_cpu_seconds(envoy),
+        "front": 0.0 if front is None else tree_cpu_seconds(front),
+    }
 
 
-def measure(gateway: Gateway, tokens: int, clients: int, seconds: float) -> dict[str, Any]:
-    before, started = _cpu(gateway), time.perf_counter()
+def measure(
+    gateway: Gateway, tokens: int, clients: int, seconds: float, front: int | None = None
+) -> dict[str, Any]:
+    before, started = _cpu(gateway, front), time.perf_counter()
     records = asyncio.run(closed_run(gateway.url, workload(tokens), clients, seconds))
-    after = _cpu(gateway)
+    after = _cpu(gateway, front)
     ok = [r for r in records if r.status == 200 and r.complete]
     return {
         "tokens": tokens,
@@ -179,6 +219,30 @@ def print_table(report: Mapping[str, Any]) -> None:
         f"\nthe lua arm counted {check['counted']} tokens in {check['lines']} access-log lines; "
         f"the clients received {check['received']}"
     )
+    notify = report["notify"]
+    print(
+        f"the notify arm's receiver got {notify['events_received']} events for "
+        f"{notify['chunks_sent']:.0f} chunks (one per {notify['every_chunks']} chunks of each "
+        "response)"
+    )
+
+
+@contextlib.contextmanager
+def event_sink(workdir: Path) -> Iterator[tuple[str, int]]:
+    """The event receiver on a fresh loopback port: its address and pid."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    address = f"127.0.0.1:{free_port()}"
+    command = [sys.executable, "-m", "gateway_lab.bench.event_sink", "--listen", address]
+    child = Child(name="event-sink", command=command, log_path=workdir / "sink.log")
+    check = (functools.partial(http_ok, f"http://{address}/count"), "event sink")
+    with running(Stack(children=[child]), [check]):
+        assert child.process is not None
+        yield address, child.process.pid
+
+
+def received_events(address: str) -> int:
+    with urllib.request.urlopen(f"http://{address}/count", timeout=5) as answer:
+        return int(answer.read())
 
 
 def plot(report: Mapping[str, Any], path: Path) -> None:
@@ -203,14 +267,19 @@ def run(out: Path, rounds: int, seconds: float, clients: int) -> dict[str, Any]:
     with contextlib.ExitStack() as stacks:
         engines = stacks.enter_context(engine_set(workdir / "engines", {"short": 1, "long": 1}))
         text = bench_policy(engines.endpoints["short"][0], engines.endpoints["long"][0])
+        events, sink = stacks.enter_context(event_sink(workdir / "sink"))
+        notifying = functools.partial(with_counting, events=events)
         gateways = {
             "straight": gateway_stack(workdir / "straight", text, "straight"),
             "lua": gateway_stack(workdir / "lua", text, "straight", bootstrap_edit=with_counting),
+            "notify": gateway_stack(workdir / "notify", text, "straight", bootstrap_edit=notifying),
             "noop": gateway_stack(workdir / "noop", text, "noop"),
             "ours": gateway_stack(workdir / "ours", text, "extproc", accounting_process=True),
         }
         arms = {arm: stacks.enter_context(stack) for arm, stack in gateways.items()}
-        warm = {arm: measure(gateway, 20, 4, 1.0) for arm, gateway in arms.items()}
+        fronts = {"notify": sink}
+        warm = {arm: measure(gateway, 20, 4, 1.0, fronts.get(arm)) for arm, gateway in arms.items()}
+        events_before = received_events(events)
         log, lua_stack = workdir / "lua" / "envoy.log", arms["lua"].stack
 
         def logged_at_least(lines: int) -> None:
@@ -223,9 +292,10 @@ def run(out: Path, rounds: int, seconds: float, clients: int) -> dict[str, Any]:
         for turn in range(rounds):
             for arm in ARMS if turn % 2 == 0 else ARMS[::-1]:  # drift hits every arm alike
                 for tokens in SIZES:
-                    runs[arm].append(measure(arms[arm], tokens, clients, seconds))
+                    runs[arm].append(measure(arms[arm], tokens, clients, seconds, fronts.get(arm)))
         logged_at_least(lua_lines_before + sum(r["requests"] for r in runs["lua"]))
         counted = counted_tokens(log.read_text())[lua_lines_before:]
+        notified = received_events(events) - events_before
     received = sum(r["output_tokens"] for r in runs["lua"])
     report = {
         "scenario": NAME,
@@ -236,6 +306,11 @@ def run(out: Path, rounds: int, seconds: float, clients: int) -> dict[str, Any]:
         "runs": runs,
         "per_chunk_us": {arm: per_chunk(runs[arm]) for arm in ARMS},
         "lua_count": {"counted": sum(counted), "lines": len(counted), "received": received},
+        "notify": {
+            "every_chunks": NOTIFY_EVERY,
+            "events_received": notified,
+            "chunks_sent": sum(r["events_per_request"] * r["requests"] for r in runs["notify"]),
+        },
     }
     scenario.save_results(
         out, report, "envoy-counting.png", lambda path: plot(report, path),

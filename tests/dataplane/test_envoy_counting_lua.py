@@ -1,17 +1,25 @@
 """The counting Lua filter of `python -m gateway_lab.bench.envoy_counting` in the real Envoy, in
 front of an emulated engine: its count of each streamed response is the tokens the client
 received, with the engine's final usage chunk and without it; a client that leaves
-mid-stream leaves the count of what had passed."""
+mid-stream leaves the count of what had passed. The notifying script's calls from inside the
+chunk loop reach their receiver."""
 
 from __future__ import annotations
 
+import functools
 import json
 import urllib.request
 from pathlib import Path
 
 import pytest
 
-from gateway_lab.bench.envoy_counting import counted_tokens, with_counting
+from gateway_lab.bench.envoy_counting import (
+    NOTIFY_EVERY,
+    counted_tokens,
+    event_sink,
+    received_events,
+    with_counting,
+)
 from gateway_lab.bench.loadgen import TokenEvents
 from gateway_lab.bench.overhead import bench_policy
 from gateway_lab.bench.stack import engine_set, gateway_stack
@@ -74,3 +82,18 @@ def test_the_lua_count_of_each_response_is_what_the_client_received(tmp_path: Pa
             wait_until(lambda: "left" in lines(), gw.stack, "access log", 15.0)
             # What passed Envoy before it saw the client go: at least what the client read.
             assert read <= lines()["left"] < 400
+
+
+def test_the_notifying_script_reaches_its_receiver_while_the_stream_flows(tmp_path: Path) -> None:
+    with (
+        engine_set(tmp_path / "engines", {"short": 1, "long": 1}) as engines,
+        event_sink(tmp_path / "sink") as (events, _pid),
+    ):
+        text = bench_policy(engines.endpoints["short"][0], engines.endpoints["long"][0])
+        edit = functools.partial(with_counting, events=events)
+        with gateway_stack(tmp_path / "notify", text, "straight", bootstrap_edit=edit) as gw:
+            assert _stream(gw.url, 160, False, "n1") == 160
+            # One call per NOTIFY_EVERY body chunks (about one event each, fewer when Envoy
+            # reads two at once); the calls do not hold the response, so they may land after it.
+            wait_until(lambda: received_events(events) >= 1, gw.stack, "events", 15.0)
+            assert received_events(events) <= (160 + 3) // NOTIFY_EVERY

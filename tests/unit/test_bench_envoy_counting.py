@@ -12,8 +12,11 @@ from extproc.envoy_config import RenderOptions, render_bootstrap
 from extproc.policy import policy_from_text
 from gateway_lab.bench.envoy_counting import (
     COUNTING_LUA,
+    EVENTS_CLUSTER,
+    NOTIFY_EVERY,
     TOKENS_FIELD,
     counted_tokens,
+    notifying_lua,
     per_chunk,
     with_counting,
 )
@@ -37,6 +40,21 @@ def test_the_counting_filter_goes_just_before_the_router_and_its_count_into_the_
     assert log[TOKENS_FIELD] == "%DYNAMIC_METADATA(gw:tokens)%"
     with pytest.raises(ValueError, match="no HTTP connection manager"):
         with_counting(json.dumps({"staticResources": {}}))
+
+
+def test_the_notifying_script_posts_every_n_chunks_to_a_cluster_of_its_own() -> None:
+    policy = policy_from_text(policy_yaml("127.0.0.1:1", "127.0.0.1:2"))
+    rendered = render_bootstrap(policy, RenderOptions(extproc_filters=False, access_log=True))
+    config = json.loads(with_counting(rendered, events="127.0.0.1:4321"))
+    lua = _manager(config)["httpFilters"][-2]["typedConfig"]["defaultSourceCode"]["inlineString"]
+    assert lua == notifying_lua(NOTIFY_EVERY) != COUNTING_LUA
+    assert f"chunks % {NOTIFY_EVERY} == 0" in lua and f'httpCall("{EVENTS_CLUSTER}"' in lua
+    assert lua.index("local usage = nil\n  local chunks = 0") < lua.index("bodyChunks")
+    clusters = {c["name"]: c for c in config["staticResources"]["clusters"]}
+    endpoint = clusters[EVENTS_CLUSTER]["loadAssignment"]["endpoints"][0]["lbEndpoints"][0]
+    assert endpoint["endpoint"]["address"]["socketAddress"] == {
+        "address": "127.0.0.1", "portValue": 4321,
+    }  # fmt: skip
 
 
 def test_counts_are_read_from_the_json_lines_only() -> None:
