@@ -480,7 +480,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "issue 16's `over` (the flooder at 48/s x 256 tokens; the default policy's adaptive "
         "limit and first-token objectives on it)",
     )  # fmt: skip
-    parser.add_argument("--measure", type=float, help="simulated seconds measured (120; 600)")
+    parser.add_argument(
+        "--measure", type=float,
+        help="simulated seconds measured (noisy 120, kvwarden 600, over 300)",
+    )  # fmt: skip
     parser.add_argument("--limits", help=f"door limits swept (default {DEFAULT_LIMITS}; "
                                          f"kvwarden's workload {KVWARDEN_LIMITS})")  # fmt: skip
     parser.add_argument(
