@@ -100,8 +100,9 @@ def with_counting(bootstrap: str, events: str | None = None) -> str:
     HTTP connection manager, and its count in the access log's JSON lines; with `events`
     (HOST:PORT), the notifying script and a cluster for it."""
     config = json.loads(bootstrap)
-    script = COUNTING_LUA if events is None else notifying_lua(NOTIFY_EVERY)
+    script = COUNTING_LUA
     if events is not None:
+        script = notifying_lua(NOTIFY_EVERY)
         host, port = split_host_port(events)
         endpoint = {"address": {"socketAddress": {"address": host, "portValue": port}}}
         config["staticResources"]["clusters"].append({

@@ -8,7 +8,9 @@ service would pay, at least, to hear from a counting script in Envoy.
 from __future__ import annotations
 
 import argparse
+import asyncio
 
+import uvloop
 from aiohttp import web
 
 from extproc.envoy_config import split_host_port
@@ -39,10 +41,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--listen", required=True, help="HOST:PORT (loopback)")
     args = parser.parse_args(argv)
     host, port = split_host_port(args.listen)
-    import asyncio
-
-    import uvloop
-
     asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())  # as the service runs
     web.run_app(application(), host=host, port=port, print=None, access_log=None)
     return 0

@@ -12,19 +12,20 @@ from collections.abc import Sequence
 from dataclasses import replace
 
 from extproc.scheduler.adaptive import AdaptiveSettings, EngineCapacities, EngineSample
+from extproc.service.engine_metrics import EngineReading
+from extproc.service.engine_watch import pool_sample
 from gateway_lab.engine.model import EngineCore
 from gateway_lab.sim.simulator import SimConfig
 
 
-def engine_sample(now: float, engines: Sequence[EngineCore]) -> EngineSample:
-    """What the engine watcher would read from these engines at `now`."""
-    return EngineSample(
-        at=now,
-        waiting=sum(engine.num_waiting for engine in engines),
-        running=sum(engine.num_running for engine in engines),
-        kv_usage=max((engine.kv_usage for engine in engines), default=0.0),
-        engines=len(engines),
-    )
+def engine_sample(now: float, engines: Sequence[EngineCore]) -> EngineSample | None:
+    """What the engine watcher would make of these engines' /metrics at `now` (its own
+    `pool_sample`); None without an engine."""
+    readings = [
+        EngineReading(waiting=e.num_waiting, running=e.num_running, kv_usage=e.kv_usage)
+        for e in engines
+    ]
+    return pool_sample(now, readings)
 
 
 def with_engine_limits(config: SimConfig) -> tuple[SimConfig, EngineCapacities]:
@@ -34,7 +35,9 @@ def with_engine_limits(config: SimConfig) -> tuple[SimConfig, EngineCapacities]:
     capacities = EngineCapacities()
 
     def probe(now: float, pool: str, engines: Sequence[EngineCore]) -> None:
-        capacities.observe(pool, engine_sample(now, engines))
+        sample = engine_sample(now, engines)
+        if sample is not None:
+            capacities.observe(pool, sample)
 
     intervals = [
         settings.poll_interval_s

@@ -56,8 +56,10 @@ def _config(capacity: str) -> SimConfig:
 def test_a_sample_reads_what_the_engine_watcher_reads() -> None:
     engines = [EngineCore(get_profile("a100-llama3-8b")) for _ in range(2)]
     sample = engine_sample(3.0, engines)
+    assert sample is not None
     assert (sample.at, sample.waiting, sample.running, sample.engines) == (3.0, 0, 0, 2)
     assert sample.kv_usage == 0.0
+    assert engine_sample(3.0, []) is None  # the watcher sends a pool without answers nothing
 
 
 def test_a_pool_without_an_adaptive_section_follows_its_engine() -> None:
