@@ -105,6 +105,7 @@ def _envoy_render(args: argparse.Namespace) -> int:
         accounting=args.accounting or None,
         admin=args.envoy_admin,
         pool_endpoints=overrides,
+        envoy_events=args.count_in_envoy or None,
     )
     text = render_bootstrap(policy, options)
     if args.output:
@@ -149,6 +150,12 @@ def build_parser() -> argparse.ArgumentParser:
     render.add_argument(
         "--accounting", default="", metavar="HOST:PORT",
         help="the accounting filter's own cluster (`serve --accounting-grpc`); default: --extproc",
+    )  # fmt: skip
+    render.add_argument(
+        "--count-in-envoy", default="", metavar="HOST:PORT",
+        help="count response tokens in Envoy (Lua) and send the service's `serve "
+        "--envoy-events` listener at this address what it needs, instead of every chunk "
+        "(docs/deploy.md, \"Counting in Envoy\")",
     )  # fmt: skip
     render.add_argument("--envoy-admin", default="127.0.0.1:9901")
     render.add_argument(

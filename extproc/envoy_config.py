@@ -78,6 +78,7 @@ from envoy_data_plane.google.protobuf import Any as AnyProto
 from envoy_data_plane.google.protobuf import Struct
 
 from extproc.endpoints import ENDPOINT_CLASSES
+from extproc.envoy_lua import EVENTS_CLUSTER, counting_filter, counts_access_log
 from extproc.envoy_routes import (
     ACCOUNTING_FILTER,
     ADMISSION_FILTER,
@@ -113,6 +114,10 @@ class RenderOptions:
     extproc_filters: bool = True
     """False renders Envoy straight to the pools (the baseline arm of benchmarks)."""
     access_log: bool = True
+    envoy_events: str | None = None
+    """Count in Envoy (extproc.envoy_lua): the service's events listener (`serve
+    --envoy-events`), one or more comma-separated; the accounting ext_proc filter is then not
+    rendered, and `accounting` is ignored."""
 
 
 def split_host_port(address: str) -> tuple[str, int]:
@@ -309,6 +314,14 @@ def _accounting_filter(cluster: str) -> HttpFilter:
     return HttpFilter(name=ACCOUNTING_FILTER, typed_config=AnyProto.pack(config), disabled=True)
 
 
+def _response_counter(options: RenderOptions) -> HttpFilter:
+    """What counts the response: Envoy's own Lua filter (`envoy_events`), or the accounting
+    ext_proc filter on its own cluster or the admission's."""
+    if options.envoy_events:
+        return counting_filter()
+    return _accounting_filter(ACCOUNTING_CLUSTER if options.accounting else EXTPROC_CLUSTER)
+
+
 def _access_log() -> AccessLog:
     fields = {
         "ts": "%START_TIME%",
@@ -357,13 +370,7 @@ def build_bootstrap(policy: Policy, options: RenderOptions) -> Bootstrap:
         delayed_close_timeout=_seconds(5.0),
         http_filters=[
             *(
-                [
-                    _header_mutations(),
-                    _admission_filter(policy),
-                    _accounting_filter(
-                        ACCOUNTING_CLUSTER if options.accounting else EXTPROC_CLUSTER
-                    ),
-                ]
+                [_header_mutations(), _admission_filter(policy), _response_counter(options)]
                 if options.extproc_filters
                 else []
             ),
@@ -371,7 +378,10 @@ def build_bootstrap(policy: Policy, options: RenderOptions) -> Bootstrap:
             HttpFilter(name="envoy.filters.http.router", typed_config=AnyProto.pack(Router())),
         ],
         local_reply_config=local_replies(),
-        access_log=[_access_log()] if options.access_log else [],
+        access_log=[
+            *([_access_log()] if options.access_log else []),
+            *([counts_access_log(EXTPROC_CLUSTER)] if options.envoy_events else []),
+        ],
         generate_request_id=True,
     )
     listener = Listener(
@@ -396,7 +406,9 @@ def build_bootstrap(policy: Policy, options: RenderOptions) -> Bootstrap:
     pool_endpoints = options.pool_endpoints or {}
     # Several ext_proc endpoints (workers on distinct ports) are comma-separated.
     clusters = [_cluster(EXTPROC_CLUSTER, options.extproc.split(","), http2=True)]
-    if options.accounting:
+    if options.envoy_events:
+        clusters.append(_cluster(EVENTS_CLUSTER, options.envoy_events.split(","), http2=False))
+    elif options.accounting:
         clusters.append(_cluster(ACCOUNTING_CLUSTER, options.accounting.split(","), http2=True))
     for name, pool in policy.pools.items():
         endpoints = pool_endpoints.get(name, pool.endpoints)

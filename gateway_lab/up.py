@@ -42,6 +42,11 @@ def add_arguments(parser: argparse.ArgumentParser, default_policy: str) -> None:
         "default: with one worker, the --grpc port + 1 (the next free port if that one is "
         "taken); with --workers N, and with 'off', in the service's own process",
     )  # fmt: skip
+    parser.add_argument(
+        "--count-in-envoy", metavar="ADDRESS",
+        help="Envoy counts response tokens (Lua) and tells the service's events listener on "
+        "this address (serve --envoy-events); replaces the accounting filter and its process",
+    )  # fmt: skip
     parser.add_argument("--profile", default="a100-llama3-8b", help="emulated engine profile")
     parser.add_argument(
         "--engine",
@@ -107,6 +112,9 @@ class StackConfig:
     allow_unshared_workers: bool = False
     accounting: str | None = None
     """The service's accounting process address (`serve --accounting-grpc`), if any."""
+    envoy_events: str | None = None
+    """Envoy counts (`serve --envoy-events`, `envoy render --count-in-envoy`): `accounting`
+    is then unused."""
 
     @classmethod
     def from_args(cls, args: argparse.Namespace, workdir: Path) -> StackConfig:
@@ -119,9 +127,10 @@ class StackConfig:
             workers=getattr(args, "workers", 1),
             worker_ports=getattr(args, "worker_ports", "distinct"),
             allow_unshared_workers=getattr(args, "allow_unshared_workers", False),
-            accounting=accounting_address(
+            accounting=None if getattr(args, "count_in_envoy", None) else accounting_address(
                 getattr(args, "accounting_grpc", None), args.grpc, getattr(args, "workers", 1)
             ),
+            envoy_events=getattr(args, "count_in_envoy", None),
         )  # fmt: skip
 
 
@@ -178,6 +187,7 @@ def build_stack(config: StackConfig, policy: Policy) -> Stack:
         "--workers", str(config.workers), "--worker-ports", config.worker_ports,
         *(["--allow-unshared-workers"] if config.allow_unshared_workers else []),
         *(["--accounting-grpc", config.accounting] if config.accounting else []),
+        *(["--envoy-events", config.envoy_events] if config.envoy_events else []),
     ]  # fmt: skip
     stack.children.append(
         extproc_child(
@@ -197,6 +207,7 @@ def build_stack(config: StackConfig, policy: Policy) -> Stack:
         extproc=",".join(worker_addresses(config.grpc, config.workers, config.worker_ports)),
         accounting=config.accounting,
         admin=config.envoy_admin,
+        envoy_events=config.envoy_events,
     )
     stack.children.append(
         envoy_child(config.workdir, policy, options, log_level="warn", stop_rank=STOP_LAST)

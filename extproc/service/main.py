@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import functools
 import gc
 import logging
 import os
@@ -38,6 +39,7 @@ from extproc.scheduler import retry_after
 from extproc.service.accounting_process import AccountingChild
 from extproc.service.composition import compose_core, compose_reloader
 from extproc.service.engine_watch import EngineWatcher
+from extproc.service.envoy_counts import EnvoyCounts, EventsServer, add_access_log_sink
 from extproc.service.gateway import Gateway
 from extproc.service.logs import configure_logging
 from extproc.service.server import start_grpc_server
@@ -91,6 +93,9 @@ class ServeOptions:
     accounting_grpc: str = ""
     """Serve the accounting filter from a child process on this address (its own Envoy
     cluster: `extproc envoy render --accounting`); empty: on the gRPC address, in process."""
+    envoy_events: str = ""
+    """Count in Envoy: listen here for its Lua filter's calls (`extproc envoy render
+    --count-in-envoy`) and take its access log on the gRPC address; empty: off."""
 
     @classmethod
     def from_env(cls, policy: str, grpc: str, admin: str) -> ServeOptions:
@@ -104,6 +109,7 @@ class ServeOptions:
             allow_remote_reload=_env_bool("EXTPROC_ADMIN_REMOTE_RELOAD"),
             wait_for_policy=_env_bool("EXTPROC_WAIT_FOR_POLICY"),
             accounting_grpc=os.environ.get("EXTPROC_ACCOUNTING_GRPC", "").strip(),
+            envoy_events=os.environ.get("EXTPROC_ENVOY_EVENTS", "").strip(),
         )
 
 
@@ -137,6 +143,11 @@ def add_arguments(parser: argparse.ArgumentParser, default_policy: str) -> None:
         help="serve the accounting filter from a child process on this address, so response "
         "chunks never delay admission (default: on --grpc, in this process)",
     )  # fmt: skip
+    parser.add_argument(
+        "--envoy-events", default=env.envoy_events, metavar="ADDRESS",
+        help="Envoy counts response tokens (`extproc envoy render --count-in-envoy`): listen "
+        "for its calls here and take its access log on --grpc",
+    )  # fmt: skip
 
 
 def options_from_args(args: argparse.Namespace) -> ServeOptions:
@@ -151,6 +162,7 @@ def options_from_args(args: argparse.Namespace) -> ServeOptions:
         allow_remote_reload=getattr(args, "admin_remote_reload", env.allow_remote_reload),
         wait_for_policy=getattr(args, "wait_for_policy", env.wait_for_policy),
         accounting_grpc=getattr(args, "accounting_grpc", env.accounting_grpc),
+        envoy_events=getattr(args, "envoy_events", env.envoy_events),
     )
 
 
@@ -204,6 +216,9 @@ class Service:
         self.grpc_port = 0
         self.accounting: AccountingChild | None = None
         self.accounting_port = 0
+        self.envoy_counts: EnvoyCounts | None = None
+        self.envoy_events: EventsServer | None = None
+        self.envoy_events_port = 0
         self.admin_port = 0
         self.reloader: PolicyReloader | None = None
         self.admin = AdminServer(
@@ -302,8 +317,14 @@ class Service:
             )
             self.accounting_port = await self.accounting.start()
             gateway.accounting_runs_behind_by(self.accounting.behind_s)
+        also = None
+        if options.envoy_events:
+            counts = self.envoy_counts = EnvoyCounts(gateway)
+            self.envoy_events = EventsServer(counts)
+            self.envoy_events_port = await self.envoy_events.start(options.envoy_events)
+            also = functools.partial(add_access_log_sink, counts=counts)
         self.server, self.grpc_port = await start_grpc_server(
-            gateway, options.grpc, gateway.overload
+            gateway, options.grpc, gateway.overload, also
         )
         self.admin.serving = True
         if self.freeze_heap:
@@ -318,6 +339,7 @@ class Service:
                 "fields": {
                     "grpc": f"{host_grpc}:{self.grpc_port}",
                     "accounting_grpc": self.accounting_port or None,
+                    "envoy_events": self.envoy_events_port or None,
                     "admin": f"http://{host_admin}:{self.admin_port}",
                     "policy": options.policy,
                     "tenants": len(policy.tenants),
@@ -372,6 +394,10 @@ class Service:
                 await server.stop(0)
                 break
             await asyncio.wait({stopping}, timeout=_DRAIN_POLL_S)
+            if self._only_envoys_access_log_left():
+                # Envoy's access-log stream never ends by itself: stop waiting for it.
+                await server.stop(0)
+                break
             # A stream that was between its headers and its body when the drain began
             # may still join the queue: answer it too.
             self.drained += drain_queued(gateway)
@@ -398,7 +424,18 @@ class Service:
         else:
             log.info("drained", extra={"fields": fields})
 
+    def _only_envoys_access_log_left(self) -> bool:
+        counts, gateway = self.envoy_counts, self.gateway
+        return (
+            counts is not None
+            and gateway is not None
+            and counts.open_requests == 0
+            and gateway.scheduler.inflight() == 0
+        )
+
     async def close(self) -> None:
+        if self.envoy_events is not None:
+            await self.envoy_events.stop()
         if self.engine_watch is not None:
             self.engine_watch.stop()
         if self.reloader is not None:

@@ -6,7 +6,7 @@ import errno
 import logging
 import socket
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 import grpc
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ext_proc_grpc
@@ -126,9 +126,13 @@ class AccountingService(ext_proc_grpc.ExternalProcessorServicer):  # type: ignor
 
 
 async def start_grpc_server(
-    ports: StreamPorts, address: str, overload: OverloadDetector | None = None
+    ports: StreamPorts,
+    address: str,
+    overload: OverloadDetector | None = None,
+    also: Callable[[grpc.aio.Server], None] | None = None,
 ) -> tuple[grpc.aio.Server, int]:
-    return await _serve(ExternalProcessorService(ports, overload), address)
+    """`also` adds more services to the server (the access-log sink of counting in Envoy)."""
+    return await _serve(ExternalProcessorService(ports, overload), address, also)
 
 
 async def start_accounting_server(
@@ -138,10 +142,14 @@ async def start_accounting_server(
 
 
 async def _serve(
-    servicer: ext_proc_grpc.ExternalProcessorServicer, address: str
+    servicer: ext_proc_grpc.ExternalProcessorServicer,
+    address: str,
+    also: Callable[[grpc.aio.Server], None] | None = None,
 ) -> tuple[grpc.aio.Server, int]:
     server = grpc.aio.server(options=GRPC_SERVER_OPTIONS)
     ext_proc_grpc.add_ExternalProcessorServicer_to_server(servicer, server)
+    if also is not None:
+        also(server)
     try:
         port = server.add_insecure_port(address)
     except RuntimeError:  # grpc says only "Failed to bind"

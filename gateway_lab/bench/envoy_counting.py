@@ -16,13 +16,16 @@ once and measured in turn, the order alternating between rounds:
   asynchronous `httpCall`: the cheapest way the service could hear a stream's progress;
 * `noop`: Envoy through the do-nothing ext_proc server (the floor of issue 16's CPU target);
 * `ours`: Envoy through our service, its accounting streams in their child process (the
-  shipped layout).
+  default layout);
+* `ours-lua`: Envoy through our service, counting in Envoy (`serve --envoy-events`,
+  extproc.envoy_lua): the script above, calls every `extproc.envoy_lua.EVERY` chunks to the
+  service, and the end through Envoy's gRPC access log.
 
 Per arm, 32 clients back to back ask for 20- and then 500-token streamed responses; the CPU
 of Envoy and of the ext_proc process tree, read from /proc, per request; the slope between
 the two sizes is the CPU per streamed chunk. The `lua` arm's access log is then read and its
 counts compared with the tokens the clients received, so the figure is of a count that is
-right. Nothing here is the shipped accounting: the Lua filter tells the service nothing yet.
+right.
 """
 
 from __future__ import annotations
@@ -48,7 +51,7 @@ from gateway_lab.processes import Child, Stack, http_ok, wait_until
 
 NAME = "envoy_counting"
 DEFAULT_OUT = Path("results/envoy-counting")
-ARMS = ("straight", "lua", "notify", "noop", "ours")
+ARMS = ("straight", "lua", "notify", "noop", "ours", "ours-lua")
 NOTIFY_EVERY = 16
 EVENTS_CLUSTER = "gateway_events"
 SIZES = (20, 500)
@@ -205,6 +208,34 @@ def per_chunk(runs: Iterable[Mapping[str, Any]]) -> dict[str, float]:
     return out
 
 
+def served_output_tokens(gateway: Gateway) -> int:
+    """The output tokens the service has settled, all tenants (`extproc_tokens_total`)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    assert gateway.admin_url is not None
+    with urllib.request.urlopen(f"{gateway.admin_url}/metrics", timeout=5) as answer:
+        text = answer.read().decode()
+    return round(
+        sum(
+            sample.value
+            for family in text_string_to_metric_families(text)
+            for sample in family.samples
+            if sample.name == "extproc_tokens_total" and sample.labels["direction"] == "output"
+        )
+    )
+
+
+def per_request(runs: Iterable[Mapping[str, Any]]) -> dict[int, float]:
+    """CPU per request (us) of Envoy and the front together, by response size."""
+    cpu: dict[int, float] = {}
+    requests: dict[int, int] = {}
+    for run in runs:
+        size = int(run["tokens"])
+        cpu[size] = cpu.get(size, 0.0) + sum(float(v) for v in run["cpu_s"].values())
+        requests[size] = requests.get(size, 0) + int(run["requests"])
+    return {size: cpu[size] / max(1, requests[size]) * 1e6 for size in sorted(cpu)}
+
+
 def print_table(report: Mapping[str, Any]) -> None:
     rows = report["per_chunk_us"]
     base = rows["straight"]["both"]
@@ -215,6 +246,20 @@ def print_table(report: Mapping[str, Any]) -> None:
             f"{arm:10} {row['envoy']:>8.1f} {row['front']:>8.1f} {row['both']:>8.1f} "
             f"{row['both'] - base:>15.1f}"
         )
+    requests = report["per_request_us"]
+    floor = requests["noop"]
+    print("\nCPU per request (us), Envoy + the ext_proc process tree, and x the noop floor:")
+    for arm, row in requests.items():
+        cells = "  ".join(
+            f"{size} tokens {row[str(size)]:>8.0f} ({row[str(size)] / floor[str(size)]:.2f}x)"
+            for size in SIZES
+        )
+        print(f"{arm:10} {cells}")
+    served = report["ours_lua_count"]
+    print(
+        f"\nours-lua: the service settled {served['settled']} output tokens; "
+        f"the clients received {served['received']}"
+    )
     check = report["lua_count"]
     print(
         f"\nthe lua arm counted {check['counted']} tokens in {check['lines']} access-log lines; "
@@ -276,11 +321,13 @@ def run(out: Path, rounds: int, seconds: float, clients: int) -> dict[str, Any]:
             "notify": gateway_stack(workdir / "notify", text, "straight", bootstrap_edit=notifying),
             "noop": gateway_stack(workdir / "noop", text, "noop"),
             "ours": gateway_stack(workdir / "ours", text, "extproc", accounting_process=True),
+            "ours-lua": gateway_stack(workdir / "ours-lua", text, "extproc", count_in_envoy=True),
         }
         arms = {arm: stacks.enter_context(stack) for arm, stack in gateways.items()}
         fronts = {"notify": sink}
         warm = {arm: measure(gateway, 20, 4, 1.0, fronts.get(arm)) for arm, gateway in arms.items()}
         events_before = received_events(events)
+        settled_before = served_output_tokens(arms["ours-lua"])
         log, lua_stack = workdir / "lua" / "envoy.log", arms["lua"].stack
 
         def logged_at_least(lines: int) -> None:
@@ -297,6 +344,13 @@ def run(out: Path, rounds: int, seconds: float, clients: int) -> dict[str, Any]:
         logged_at_least(lua_lines_before + sum(r["requests"] for r in runs["lua"]))
         counted = counted_tokens(log.read_text())[lua_lines_before:]
         notified = received_events(events) - events_before
+        served = sum(r["output_tokens"] for r in runs["ours-lua"])
+        ours_lua = arms["ours-lua"]
+        deadline = time.monotonic() + LOG_WAIT_S  # a count that never matches is reported
+        while (settled := served_output_tokens(ours_lua) - settled_before) < served:
+            if time.monotonic() > deadline:
+                break
+            time.sleep(0.1)
     received = sum(r["output_tokens"] for r in runs["lua"])
     report = {
         "scenario": NAME,
@@ -306,6 +360,10 @@ def run(out: Path, rounds: int, seconds: float, clients: int) -> dict[str, Any]:
         "rounds": rounds,
         "runs": runs,
         "per_chunk_us": {arm: per_chunk(runs[arm]) for arm in ARMS},
+        "per_request_us": {
+            arm: {str(size): cpu for size, cpu in per_request(runs[arm]).items()} for arm in ARMS
+        },
+        "ours_lua_count": {"settled": settled, "received": served},
         "lua_count": {"counted": sum(counted), "lines": len(counted), "received": received},
         "notify": {
             "every_chunks": NOTIFY_EVERY,

@@ -178,13 +178,15 @@ def gateway_stack(
     accounting_process: bool = False,
     noop_args: Sequence[str] = (),
     extproc_env: Mapping[str, str] | None = None,
+    count_in_envoy: bool = False,
 ) -> Iterator[Gateway]:
     """Envoy on fresh loopback ports, straight to the policy's endpoints (`straight`) or
     through `extproc serve` (`extproc`, in an environment of `extproc_env` if given) or the
     do-nothing floor (`noop`, with `noop_args`: gateway_lab.bench.noop). `bootstrap_edit`
     rewrites Envoy's rendered bootstrap (JSON text, access log on) before it starts.
     `accounting_process`: the service accounts in a child process on a port of its own
-    (`serve --accounting-grpc`, Envoy's accounting cluster)."""
+    (`serve --accounting-grpc`, Envoy's accounting cluster). `count_in_envoy`: Envoy counts
+    and tells the service (`serve --envoy-events`, extproc.envoy_lua) instead."""
     if arm not in ARMS:
         raise ValueError(f"arm must be one of {ARMS}")
     workdir.mkdir(parents=True, exist_ok=True)
@@ -195,7 +197,7 @@ def gateway_stack(
     def build() -> tuple[Stack, list[Check], Gateway]:
         return _gateway_children(
             workdir, policy, str(policy_path), arm, extproc_args, bootstrap_edit,
-            accounting_process, noop_args, extproc_env,
+            accounting_process, noop_args, extproc_env, count_in_envoy,
         )  # fmt: skip
 
     with running_on_fresh_ports(build) as gateway:
@@ -212,6 +214,7 @@ def _gateway_children(
     accounting_process: bool,
     noop_args: Sequence[str],
     extproc_env: Mapping[str, str] | None,
+    count_in_envoy: bool = False,
 ) -> tuple[Stack, list[Check], Gateway]:
     """One start's children of `gateway_stack`, on ports picked now."""
     listen, grpc_address = f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"
@@ -219,8 +222,15 @@ def _gateway_children(
     stack = Stack()
     checks: list[Check] = []
     accounting = f"127.0.0.1:{free_port()}" if accounting_process and arm == "extproc" else None
+    events = f"127.0.0.1:{free_port()}" if count_in_envoy and arm == "extproc" else None
+    if events is not None:
+        accounting = None
     if arm == "extproc":
-        serve_args = [*extproc_args, *(["--accounting-grpc", accounting] if accounting else [])]
+        serve_args = [
+            *extproc_args,
+            *(["--accounting-grpc", accounting] if accounting else []),
+            *(["--envoy-events", events] if events else []),
+        ]
         child = extproc_child(
             workdir, policy_path, grpc_address, admin, serve_args, log_level="WARNING"
         )
@@ -251,6 +261,7 @@ def _gateway_children(
         admin=envoy_admin,
         extproc_filters=arm != "straight",
         access_log=bootstrap_edit is not None,
+        envoy_events=events,
     )
     stack.children.append(envoy_child(workdir, policy, options, log_level="error"))
     if bootstrap_edit is not None:

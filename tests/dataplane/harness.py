@@ -55,9 +55,11 @@ def loopback_config(
     make_policy: Callable[[str, str], str],
     profile: str = "fast",
     accounting_process: bool = False,
+    count_in_envoy: bool = False,
 ) -> tuple[Policy, StackConfig]:
     """The policy (written to `workdir`) and a stack configuration on free loopback ports;
-    `accounting_process`: the service accounts in a child process (`--accounting-grpc`)."""
+    `accounting_process`: the service accounts in a child process (`--accounting-grpc`);
+    `count_in_envoy`: Envoy counts and tells the service (`--envoy-events`)."""
     short, long_ = f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"
     policy_path = workdir / "policy.yaml"
     policy_path.write_text(make_policy(short, long_))
@@ -71,6 +73,7 @@ def loopback_config(
         envoy_admin=f"127.0.0.1:{free_port()}",
         profile=profile,
         accounting=f"127.0.0.1:{free_port()}" if accounting_process else None,
+        envoy_events=f"127.0.0.1:{free_port()}" if count_in_envoy else None,
     )
     return policy, config
 
@@ -81,9 +84,12 @@ def running_gateway(
     make_policy: Callable[[str, str], str],
     profile: str = "fast",
     accounting_process: bool = False,
+    count_in_envoy: bool = False,
 ) -> Iterator[RunningGateway]:
     """`make_policy(short_endpoint, long_endpoint)` returns the policy text to run with."""
-    policy, config = loopback_config(workdir, make_policy, profile, accounting_process)
+    policy, config = loopback_config(
+        workdir, make_policy, profile, accounting_process, count_in_envoy
+    )
     stack = build_stack(config, policy)
     ACTIVE_STACKS.append(stack)
     try:

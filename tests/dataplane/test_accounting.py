@@ -23,19 +23,23 @@ pytestmark = pytest.mark.dataplane
 LIMITS = "{requests_per_minute: 6000, tokens_per_minute: 10000000, max_queued: 500}"
 
 
-@pytest.fixture(scope="module", params=["in-process", "accounting-process"])
+@pytest.fixture(scope="module", params=["in-process", "accounting-process", "count-in-envoy"])
 def gateway(
     tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest
 ) -> Iterator[RunningGateway]:
-    """Both layouts: the accounting streams on the admission process, or in its child
-    (`serve --accounting-grpc`, Envoy's own accounting cluster): the same exact counts."""
+    """Every layout: the accounting streams on the admission process, or in its child
+    (`serve --accounting-grpc`, Envoy's own accounting cluster), or no accounting stream at
+    all, Envoy counting (`serve --envoy-events`, extproc.envoy_lua): the same exact counts."""
 
     def make(short: str, long_: str) -> str:
         return policy_yaml(short, long_, acme_limits=LIMITS, globex_limits=LIMITS, short_inflight=8)
 
     child = request.param == "accounting-process"
     workdir = tmp_path_factory.mktemp("accounting")
-    with running_gateway(workdir, make, accounting_process=child) as running:
+    in_envoy = request.param == "count-in-envoy"
+    with running_gateway(
+        workdir, make, accounting_process=child, count_in_envoy=in_envoy
+    ) as running:
         yield running
 
 
@@ -251,3 +255,29 @@ async def test_clients_gone_before_the_response_are_counted_exactly(
     assert [(e["outcome"], e["upstream_status"], e["tokens_provisional"]) for e in entries] == [
         ("admitted", None, True)
     ] * 4, entries
+
+
+async def test_first_tokens_and_gaps_reach_the_service(gateway: RunningGateway) -> None:
+    """Whatever counts (an accounting stream, or Envoy's script and its calls), the service
+    sees each streamed response's first token (the TTFT histogram, prefill pacing) and its
+    later output as it passes (the inter-token histogram, weighted per token)."""
+    headers = {"authorization": f"Bearer {TEST_KEYS['acme']}"}
+    url = gateway.base_url + "/v1/chat/completions"
+    ttft = ("extproc_ttft_seconds_count", ("pool", "short"), ("tenant", "acme"))
+    gaps = ("extproc_inter_token_seconds_count", ("pool", "short"), ("tenant", "acme"))
+    async with aiohttp.ClientSession() as session:
+        await wait_for_view(session, gateway, settled)
+        before = await scrape(session, gateway.admin_url + "/metrics")
+        for _ in range(3):
+            body = {"model": "m", "stream": True, "max_tokens": 40,
+                    "messages": [{"role": "user", "content": "time me"}]}  # fmt: skip
+            async with session.post(url, json=body, headers=headers) as response:
+                assert response.status == 200
+                await response.read()
+        await wait_for_view(session, gateway, settled)
+        after = await scrape(session, gateway.admin_url + "/metrics")
+    assert after.get(ttft, 0.0) - before.get(ttft, 0.0) == 3
+    # One gap per token after the first with a message per chunk (about 39 per response);
+    # with Envoy's calls every 16 chunks, a gap between two calls is weighted by the tokens
+    # between them: at least the 15 between its first call (chunk 1) and its second (16).
+    assert after.get(gaps, 0.0) - before.get(gaps, 0.0) >= 3 * 15

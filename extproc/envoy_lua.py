@@ -1,0 +1,171 @@
+"""Counting in Envoy: the Lua filter, the events cluster and the gRPC access log that replace the
+accounting ext_proc filter (`extproc envoy render --count-in-envoy`, `serve --envoy-events`).
+
+With the accounting ext_proc filter, Envoy relays every response chunk to the service as a gRPC
+message, and most of the CPU under streaming load goes there (docs/benchmarks.md, "Counting in
+Envoy instead"). Here Envoy counts the chunks itself and tells the service only what it uses:
+
+* the request passes (right after its admission): `POST /attach/<id>`, so its capacity stays
+  held until it ends, as an accounting stream's attach holds it;
+* the first chunk: `POST /first/<id>` with the output seen so far (the first token: prefill
+  pacing, the TTFT δ);
+* every `EVERY` chunks: `POST /output/<id>` with the output seen so far (fair-share charges as
+  the output passes);
+* the end, however it ends (a client that leaves mid-stream included): the access-log entry
+  Envoy sends the service's gRPC access-log sink, with the count and the engine's usage the
+  script stored in the stream's dynamic metadata (namespace `gw`) after every chunk.
+
+The calls are asynchronous: Envoy does not wait for their answers, and a lost call costs a
+charge's timing, never a count (the end carries the final one). The count is the engine's own
+`usage` when the response carries it (the admission asks every stream for it), otherwise one
+token per chunk with non-empty `content`, `reasoning_content` or `text`, as
+extproc.sse counts. The service side is extproc.service.envoy_counts.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+from envoy_data_plane.envoy.config.accesslog.v3 import AccessLog
+from envoy_data_plane.envoy.config.core.v3 import (
+    ApiVersion,
+    DataSource,
+    GrpcService,
+    GrpcServiceEnvoyGrpc,
+)
+from envoy_data_plane.envoy.extensions.access_loggers.grpc.v3 import (
+    CommonGrpcAccessLogConfig,
+    HttpGrpcAccessLogConfig,
+)
+from envoy_data_plane.envoy.extensions.filters.http.lua.v3 import Lua
+from envoy_data_plane.envoy.extensions.filters.network.http_connection_manager.v3 import (
+    HttpFilter,
+)
+from envoy_data_plane.google.protobuf import Any as AnyProto
+
+from extproc.types import GATEWAY_REQUEST_ID_HEADER
+
+EVENTS_CLUSTER = "extproc_events"
+COUNTING_FILTER = "extproc.counting"
+METADATA_NAMESPACE = "gw"
+ACCESS_LOG_NAME = "extproc-counts"
+EVERY = 16
+"""Chunks between two `/output` calls: about half the Envoy CPU of a call per chunk
+(docs/benchmarks.md)."""
+
+COUNTING_SCRIPT = (
+    r"""
+local EVENTS = "__CLUSTER__"
+local NS = "__NS__"
+local EVERY = __EVERY__
+
+local function post(handle, path, body)
+  handle:httpCall(EVENTS, {[":method"] = "POST", [":path"] = path,
+                           [":authority"] = "extproc-events"}, body, 1000, true)
+end
+
+function envoy_on_request(handle)
+  local id = handle:headers():get("__ID_HEADER__")
+  if id == nil or not string.match(id, "^[%w%-_]+$") then
+    return
+  end
+  handle:streamInfo():dynamicMetadata():set(NS, "id", id)
+  post(handle, "/attach/" .. id, "")
+end
+
+local function number(text, key)
+  local value = string.match(text, '"' .. key .. '":%s*(%d+)')
+  if value then
+    return tonumber(value)
+  end
+  return nil
+end
+
+function envoy_on_response(handle)
+  local gw = handle:streamInfo():dynamicMetadata():get(NS)
+  if gw == nil or gw["id"] == nil then
+    return
+  end
+  local id = gw["id"]
+  local base, since, chunks, carry = 0, 0, 0, ""
+  for chunk in handle:bodyChunks() do
+    local size = chunk:length()
+    if size > 0 then
+      local text = chunk:getBytes(0, size)
+      local _, a = string.gsub(text, '"content":"[^"]', "")
+      local _, b = string.gsub(text, '"text":"[^"]', "")
+      since = since + a + b
+      local window = carry .. text
+      local metadata = handle:streamInfo():dynamicMetadata()
+      if string.find(window, '"completion_tokens":', 1, true) then
+        local completion = number(window, "completion_tokens")
+        if completion then
+          base, since = completion, 0
+          metadata:set(NS, "completion", completion)
+          local prompt = number(window, "prompt_tokens")
+          if prompt then metadata:set(NS, "prompt", prompt) end
+          local total = number(window, "total_tokens")
+          if total then metadata:set(NS, "total", total) end
+          local cached = number(window, "cached_tokens")
+          if cached then metadata:set(NS, "cached", cached) end
+        end
+      end
+      carry = string.sub(text, -96)
+      local count = base + since
+      metadata:set(NS, "tokens", count)
+      chunks = chunks + 1
+      if chunks == 1 then
+        post(handle, "/first/" .. id, tostring(count))
+      elseif chunks % EVERY == 0 then
+        post(handle, "/output/" .. id, tostring(count))
+      end
+    end
+  end
+end
+""".replace("__CLUSTER__", EVENTS_CLUSTER)
+    .replace("__NS__", METADATA_NAMESPACE)
+    .replace("__EVERY__", str(EVERY))
+    .replace("__ID_HEADER__", GATEWAY_REQUEST_ID_HEADER)
+)
+"""Notes on the script, each a trap found in the real Envoy (tests/dataplane):
+the count is stored after every chunk, since a client that leaves mid-stream ends the script
+where it stands; the metadata handle is taken afresh per chunk (one kept across the script's
+yields stores nothing); `carry` keeps the previous chunk's tail, so usage split across two
+chunks is still found. Only request ids of the gateway's own alphabet go into a path."""
+
+
+def counting_filter() -> HttpFilter:
+    """The Lua filter, placed after the admission filter (it reads the request id the
+    admission set) and before the router. On every route: a request without the id (the
+    header-mutation filter removes client copies) costs one header lookup."""
+    config = Lua(
+        default_source_code=DataSource(inline_string=COUNTING_SCRIPT), stat_prefix="counting"
+    )
+    return HttpFilter(name=COUNTING_FILTER, typed_config=AnyProto.pack(config))
+
+
+def counts_access_log(extproc_cluster: str) -> AccessLog:
+    """Every stream's end, sent as it happens (no batching: capacity is released on it) to the
+    service's access-log sink on the ext_proc cluster."""
+    config = HttpGrpcAccessLogConfig(
+        common_config=CommonGrpcAccessLogConfig(
+            log_name=ACCESS_LOG_NAME,
+            grpc_service=GrpcService(envoy_grpc=GrpcServiceEnvoyGrpc(cluster_name=extproc_cluster)),
+            transport_api_version=ApiVersion.V3,
+            buffer_size_bytes=0,
+            buffer_flush_interval=timedelta(milliseconds=100),
+        )
+    )
+    return AccessLog(name="envoy.access_loggers.http_grpc", typed_config=AnyProto.pack(config))
+
+
+__all__ = [
+    "ACCESS_LOG_NAME",
+    "COUNTING_FILTER",
+    "COUNTING_SCRIPT",
+    "EVENTS_CLUSTER",
+    "EVERY",
+    "METADATA_NAMESPACE",
+    "counting_filter",
+    "counts_access_log",
+]

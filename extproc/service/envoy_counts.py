@@ -1,0 +1,248 @@
+"""The service's end of counting in Envoy (extproc.envoy_lua): the events listener and the
+gRPC access-log sink, both turned into the same `AccountingPort` calls an accounting stream
+makes (extproc.service.accounting).
+
+* `POST /attach/<id>` (the request passed Envoy after its admission): `port.attach`;
+* `POST /first/<id>` with the output so far: `first_byte` (timed on arrival here), then the
+  output charged;
+* `POST /output/<id>` with the output so far: the part not charged yet;
+* the access-log entry of the stream's end: the upstream status, then `settle` with the engine's
+  usage if the script saw it, else the count of what passed.
+
+The three calls and the log travel on different connections, so they may arrive in any order:
+counts are cumulative (a late, smaller one charges nothing), the end settles whether or not an
+attach came first, and a call after the end finds no request. A request whose end never comes
+(its access log lost with Envoy) is settled with what it was told after `LOST_AFTER_S` of
+silence, so its capacity does not leak.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator, Callable
+
+import grpc
+from aiohttp import web
+from envoy.data.accesslog.v3.accesslog_pb2 import HTTPAccessLogEntry
+from envoy.service.accesslog.v3 import als_pb2_grpc
+from envoy.service.accesslog.v3.als_pb2 import StreamAccessLogsMessage, StreamAccessLogsResponse
+from google.protobuf.struct_pb2 import Struct
+
+from extproc.envoy_lua import METADATA_NAMESPACE
+from extproc.service.ports import AccountedLease, AccountingPort
+from extproc.sse import Usage
+
+log = logging.getLogger("extproc.envoy_counts")
+
+LOST_AFTER_S = 600.0
+"""Silence after which an attached request whose end never came is settled: longer than any
+response may stay without a chunk (`EVERY` chunks between two calls)."""
+SWEEP_INTERVAL_S = 30.0
+MAX_COUNT = 10_000_000
+MAX_EVENT_BYTES = 64
+
+
+class _Open:
+    __slots__ = ("charged", "first_seen", "heard_at", "lease")
+
+    def __init__(self, lease: AccountedLease, now: float) -> None:
+        self.lease = lease
+        self.charged = 0
+        self.first_seen = False
+        self.heard_at = now
+
+
+class EnvoyCounts:
+    """The requests Envoy counts for us, by gateway request id, until their end."""
+
+    def __init__(self, port: AccountingPort, clock: Callable[[], float] = time.monotonic) -> None:
+        self._port = port
+        self._clock = clock
+        self._open: dict[str, _Open] = {}
+
+    @property
+    def open_requests(self) -> int:
+        return len(self._open)
+
+    def attach(self, request_id: str) -> None:
+        self._entry(request_id)
+
+    def first(self, request_id: str, output: int) -> None:
+        entry = self._entry(request_id)
+        if entry is None:
+            return
+        if not entry.first_seen:
+            entry.first_seen = True
+            entry.lease.first_byte(self._clock())
+        self._charge(entry, output)
+
+    def output(self, request_id: str, output: int) -> None:
+        entry = self._entry(request_id)
+        if entry is not None:
+            self._charge(entry, output)
+
+    def ended(
+        self, request_id: str, status: int, upstream: str | None, usage: Usage | None, seen: int
+    ) -> None:
+        entry = self._open.pop(request_id, None)
+        lease = entry.lease if entry is not None else self._port.attach(request_id)
+        if lease is None:
+            return
+        if status:
+            lease.response_started(status, upstream)
+        lease.settle(usage, seen)
+
+    def settle_silent(self) -> int:
+        """Settle, with what they were told, the requests silent for `LOST_AFTER_S`."""
+        cutoff = self._clock() - LOST_AFTER_S
+        lost = [rid for rid, entry in self._open.items() if entry.heard_at < cutoff]
+        for request_id in lost:
+            entry = self._open.pop(request_id)
+            log.warning("no end came for request %s: settled with its count", request_id)
+            entry.lease.settle(None, entry.charged)
+        return len(lost)
+
+    def _entry(self, request_id: str) -> _Open | None:
+        entry = self._open.get(request_id)
+        if entry is None:
+            lease = self._port.attach(request_id)
+            if lease is None:
+                return None
+            entry = self._open[request_id] = _Open(lease, self._clock())
+        else:
+            entry.heard_at = self._clock()
+        return entry
+
+    @staticmethod
+    def _charge(entry: _Open, output: int) -> None:
+        if output > entry.charged:
+            entry.lease.charge_output(output - entry.charged)
+            entry.charged = output
+
+
+# -- the events listener -----------------------------------------------------------------------
+
+
+def _count(text: str) -> int | None:
+    if not text.isdigit() or len(text) > 8:
+        return None
+    value = int(text)
+    return value if value <= MAX_COUNT else None
+
+
+class EventsServer:
+    """`serve --envoy-events ADDRESS`: the Lua filter's calls (HTTP/1.1, from Envoy only: keep
+    it on loopback or a private network, like the gRPC port)."""
+
+    def __init__(self, counts: EnvoyCounts) -> None:
+        self.counts = counts
+        app = web.Application(client_max_size=MAX_EVENT_BYTES)
+        app.router.add_post("/attach/{id}", self._attach)
+        app.router.add_post("/first/{id}", self._first)
+        app.router.add_post("/output/{id}", self._output)
+        self._runner = web.AppRunner(app, access_log=None, shutdown_timeout=1.0)
+        self._sweeper: asyncio.Task[None] | None = None
+
+    async def start(self, address: str) -> int:
+        await self._runner.setup()
+        host, _, port = address.rpartition(":")
+        site = web.TCPSite(self._runner, host.strip("[]"), int(port))
+        await site.start()
+        self._sweeper = asyncio.create_task(self._sweep())
+        return int(self._runner.addresses[0][1])  # the bound port, when 0 was asked for
+
+    async def stop(self) -> None:
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+        await self._runner.cleanup()
+
+    async def _sweep(self) -> None:
+        while True:
+            await asyncio.sleep(SWEEP_INTERVAL_S)
+            self.counts.settle_silent()
+
+    async def _attach(self, request: web.Request) -> web.Response:
+        self.counts.attach(request.match_info["id"])
+        return web.Response(status=204)
+
+    async def _first(self, request: web.Request) -> web.Response:
+        output = _count(await request.text())
+        if output is None:
+            return web.Response(status=400)
+        self.counts.first(request.match_info["id"], output)
+        return web.Response(status=204)
+
+    async def _output(self, request: web.Request) -> web.Response:
+        output = _count(await request.text())
+        if output is None:
+            return web.Response(status=400)
+        self.counts.output(request.match_info["id"], output)
+        return web.Response(status=204)
+
+
+# -- the access-log sink -----------------------------------------------------------------------
+
+
+def _whole(fields: Struct, key: str) -> int | None:
+    value = fields.fields.get(key)
+    if value is None or value.WhichOneof("kind") != "number_value":
+        return None
+    number = value.number_value
+    return int(number) if 0 <= number <= MAX_COUNT else None
+
+
+def end_of(entry: HTTPAccessLogEntry) -> tuple[str, int, str | None, Usage | None, int] | None:
+    """(request id, status, upstream, usage, output seen) of one access-log entry, or None
+    for a stream the script did not follow."""
+    common = entry.common_properties
+    fields = common.metadata.filter_metadata.get(METADATA_NAMESPACE)
+    if fields is None:
+        return None
+    request_id = fields.fields.get("id")
+    if request_id is None or request_id.WhichOneof("kind") != "string_value":
+        return None
+    status = entry.response.response_code.value
+    socket_address = common.upstream_remote_address.socket_address
+    upstream = (
+        f"{socket_address.address}:{socket_address.port_value}" if socket_address.address else None
+    )
+    completion = _whole(fields, "completion")
+    usage = None
+    if completion is not None:
+        prompt = _whole(fields, "prompt") or 0
+        total = _whole(fields, "total")
+        usage = Usage(
+            prompt, completion, total if total is not None else prompt + completion,
+            _whole(fields, "cached"),
+        )  # fmt: skip
+    return request_id.string_value, status, upstream, usage, _whole(fields, "tokens") or 0
+
+
+class AccessLogSink(als_pb2_grpc.AccessLogServiceServicer):  # type: ignore[misc]
+    """Envoy's gRPC access log (envoy.service.accesslog.v3): each entry ends its request."""
+
+    def __init__(self, counts: EnvoyCounts) -> None:
+        self.counts = counts
+
+    async def StreamAccessLogs(
+        self,
+        request_iterator: AsyncIterator[StreamAccessLogsMessage],
+        context: grpc.aio.ServicerContext[StreamAccessLogsMessage, StreamAccessLogsResponse],
+    ) -> StreamAccessLogsResponse:
+        del context
+        async for message in request_iterator:
+            for entry in message.http_logs.log_entry:
+                end = end_of(entry)
+                if end is None:
+                    continue
+                try:
+                    self.counts.ended(*end)
+                except Exception:
+                    log.exception("settling request %s failed", end[0])
+        return StreamAccessLogsResponse()
+
+
+def add_access_log_sink(server: grpc.aio.Server, counts: EnvoyCounts) -> None:
+    als_pb2_grpc.add_AccessLogServiceServicer_to_server(AccessLogSink(counts), server)

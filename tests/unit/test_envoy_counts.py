@@ -1,0 +1,138 @@
+"""The service's end of counting in Envoy (extproc.service.envoy_counts): calls and the end
+in any order, cumulative counts, the silent settled, access-log entries read."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from envoy.data.accesslog.v3.accesslog_pb2 import HTTPAccessLogEntry
+
+from extproc.envoy_lua import COUNTING_SCRIPT, EVENTS_CLUSTER, EVERY, METADATA_NAMESPACE
+from extproc.service.envoy_counts import LOST_AFTER_S, EnvoyCounts, end_of
+from extproc.sse import Usage
+
+
+@dataclass
+class FakeLease:
+    calls: list[tuple[object, ...]] = field(default_factory=list)
+
+    def response_started(self, status: int, upstream: str | None) -> None:
+        self.calls.append(("started", status, upstream))
+
+    def first_byte(self, at: float) -> None:
+        self.calls.append(("first", at))
+
+    def charge_output(self, tokens: int) -> None:
+        self.calls.append(("charge", tokens))
+
+    def settle(self, usage: Usage | None, output_seen: int) -> None:
+        self.calls.append(("settle", usage, output_seen))
+
+
+class Port:
+    """Requests admitted and not settled yet; a settled one attaches no more."""
+
+    def __init__(self, *ids: str) -> None:
+        self.leases = {request_id: FakeLease() for request_id in ids}
+        self.settled: set[str] = set()
+
+    def attach(self, request_id: str) -> FakeLease | None:
+        if request_id in self.settled:
+            return None
+        lease = self.leases.get(request_id)
+        if lease is not None and any(c[0] == "settle" for c in lease.calls):
+            self.settled.add(request_id)
+            return None
+        return lease
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_calls_in_order_charge_what_is_new_and_the_end_settles() -> None:
+    port, clock = Port("r1"), Clock()
+    counts = EnvoyCounts(port, clock)
+    counts.attach("r1")
+    clock.now = 100.5
+    counts.first("r1", 1)
+    counts.output("r1", 16)
+    counts.output("r1", 32)
+    usage = Usage(7, 40, 47, None)
+    counts.ended("r1", 200, "127.0.0.1:9", usage, 40)
+    assert port.leases["r1"].calls == [
+        ("first", 100.5), ("charge", 1), ("charge", 15), ("charge", 16),
+        ("started", 200, "127.0.0.1:9"), ("settle", usage, 40),
+    ]  # fmt: skip
+    assert counts.open_requests == 0
+
+
+def test_late_and_reordered_calls_charge_nothing_twice() -> None:
+    port = Port("r1")
+    counts = EnvoyCounts(port, Clock())
+    counts.output("r1", 32)  # before the attach and the first
+    counts.first("r1", 1)
+    counts.output("r1", 16)
+    counts.attach("r1")
+    assert port.leases["r1"].calls == [("charge", 32), ("first", 100.0)]
+    counts.ended("r1", 200, None, None, 33)
+    counts.output("r1", 48)  # after the end: the request is gone
+    counts.first("r1", 1)
+    assert port.leases["r1"].calls[-1] == ("settle", None, 33)
+    assert counts.open_requests == 0
+
+
+def test_an_end_without_calls_settles_and_a_status_of_zero_is_no_response() -> None:
+    port = Port("r1", "r2")
+    counts = EnvoyCounts(port, Clock())
+    counts.ended("r1", 0, None, None, 0)  # the client left before the response headers
+    counts.ended("r2", 503, "127.0.0.1:9", None, 0)
+    counts.ended("unknown", 200, None, None, 5)
+    assert port.leases["r1"].calls == [("settle", None, 0)]
+    assert port.leases["r2"].calls == [("started", 503, "127.0.0.1:9"), ("settle", None, 0)]
+
+
+def test_a_request_whose_end_never_comes_is_settled_after_the_silence() -> None:
+    port, clock = Port("quiet", "talking"), Clock()
+    counts = EnvoyCounts(port, clock)
+    counts.first("quiet", 3)
+    counts.attach("talking")
+    clock.now += LOST_AFTER_S - 1
+    counts.output("talking", 16)
+    assert counts.settle_silent() == 0
+    clock.now += 2
+    assert counts.settle_silent() == 1
+    assert port.leases["quiet"].calls[-1] == ("settle", None, 3)
+    assert counts.open_requests == 1
+
+
+def _entry(**metadata: object) -> HTTPAccessLogEntry:
+    entry = HTTPAccessLogEntry()
+    entry.response.response_code.value = 200
+    address = entry.common_properties.upstream_remote_address.socket_address
+    address.address, address.port_value = "127.0.0.1", 8001
+    entry.common_properties.metadata.filter_metadata[METADATA_NAMESPACE].update(metadata)
+    return entry
+
+
+def test_an_access_log_entry_reads_as_the_end_of_its_request() -> None:
+    assert end_of(HTTPAccessLogEntry()) is None  # a stream the script did not follow
+    assert end_of(_entry(tokens=4.0)) is None  # no id
+    assert end_of(_entry(id="r1", tokens=12.0)) == ("r1", 200, "127.0.0.1:8001", None, 12)
+    assert end_of(
+        _entry(id="r1", tokens=40.0, completion=40.0, prompt=7.0, total=47.0, cached=0.0)
+    ) == ("r1", 200, "127.0.0.1:8001", Usage(7, 40, 47, 0), 40)
+    # Numbers out of range or of the wrong kind are no usage.
+    assert end_of(_entry(id="r1", completion=-1.0, tokens="x")) == (
+        "r1", 200, "127.0.0.1:8001", None, 0,
+    )  # fmt: skip
+
+
+def test_the_script_calls_its_cluster_with_the_named_constants() -> None:
+    assert f'local EVENTS = "{EVENTS_CLUSTER}"' in COUNTING_SCRIPT
+    assert f"local EVERY = {EVERY}" in COUNTING_SCRIPT
+    assert "__" not in COUNTING_SCRIPT  # every placeholder filled
