@@ -30,16 +30,19 @@ from gateway_lab.progress import Progress
 
 DEFAULT_OUT = Path("results/overhead")
 BENCH_KEY = "bench-key"
-ARMS = ("straight", "noop", "extproc", "extproc-child")
+ARMS = ("straight", "noop", "extproc", "extproc-child", "extproc-lua")
 """`extproc`: our service accounting in process; `extproc-child`: with its accounting child
 process (`serve --accounting-grpc`), the layout `extproc up` and the deploy files ship, its
-CPU the two processes' together."""
+CPU the two processes' together; `extproc-lua`: Envoy counts and tells the service
+(`serve --envoy-events`, extproc.envoy_lua), so part of the work is Envoy's: compare it with
+Envoy's CPU included (`cpu_per_request_with_envoy_us`)."""
 COMPILED_ARM = "compiled-child"
 """With `--compiled-src DIR`: `extproc-child` running the compiled build installed in DIR
 (scripts/build-compiled.sh)."""
 OURS = {
     "extproc": ("ours", "in process"),
     "extproc-child": ("ours_child", "with the child"),
+    "extproc-lua": ("ours_lua", "counting in Envoy"),
     COMPILED_ARM: ("compiled_child", "compiled"),
 }
 """Our arms: their names in the summary and in the printout."""
@@ -93,14 +96,20 @@ def _front_cpu_s(stack: Gateway) -> float:
     return 0.0 if pid is None else tree_cpu_seconds(pid)
 
 
+def _envoy_cpu_s(stack: Gateway) -> float:
+    pid = stack.pid_of("envoy")
+    return 0.0 if pid is None else tree_cpu_seconds(pid)
+
+
 def measure(
     stack: Gateway, output_tokens: int, concurrency: int, duration_s: float, arm: str = ""
 ) -> dict[str, Any]:
-    cpu_before = _front_cpu_s(stack)
+    cpu_before, envoy_before = _front_cpu_s(stack), _envoy_cpu_s(stack)
     started = time.perf_counter()
     records = asyncio.run(closed_run(stack.url, workload(output_tokens), concurrency, duration_s))
     elapsed = time.perf_counter() - started
     cpu = _front_cpu_s(stack) - cpu_before
+    envoy_cpu = _envoy_cpu_s(stack) - envoy_before
     summary: dict[str, Any] = dict(summarize(records, elapsed))
     ok = summary["ok"] or 1.0
     summary.update(
@@ -111,6 +120,8 @@ def measure(
         elapsed_s=elapsed,
         extproc_cpu_s=cpu,
         extproc_cpu_us_per_request=cpu / ok * 1e6,
+        envoy_cpu_s=envoy_cpu,
+        envoy_cpu_us_per_request=envoy_cpu / ok * 1e6,
         chunks_per_request=summary["chunks"] / ok,
     )
     return summary
@@ -130,6 +141,7 @@ def merge_rounds(rounds: list[dict[str, Any]]) -> dict[str, Any]:
     ok = sum(r["ok"] for r in rounds)
     elapsed = sum(r["elapsed_s"] for r in rounds)
     cpu = sum(r["extproc_cpu_s"] for r in rounds)
+    envoy_cpu = sum(r["envoy_cpu_s"] for r in rounds)
     chunks = sum(r["chunks"] for r in rounds)
     ttfb = [t for r in rounds for t in r["ttfb_ms"]]
     return {
@@ -145,6 +157,8 @@ def merge_rounds(rounds: list[dict[str, Any]]) -> dict[str, Any]:
         "chunks": chunks,
         "extproc_cpu_s": cpu,
         "extproc_cpu_us_per_request": cpu / (ok or 1.0) * 1e6,
+        "envoy_cpu_s": envoy_cpu,
+        "envoy_cpu_us_per_request": envoy_cpu / (ok or 1.0) * 1e6,
         "chunks_per_request": chunks / (ok or 1.0),
     }
 
@@ -200,11 +214,18 @@ def stacks_of(
         tracker.note(f"[overhead] starting the {arm} stack ({profile})")
         child = arm.endswith("-child")
         where = workdir / f"{profile}-{arm}"
-        kind = "extproc" if arm == COMPILED_ARM else arm.removesuffix("-child")
+        kind = "extproc" if arm in (COMPILED_ARM, "extproc-lua") else arm.removesuffix("-child")
         env = tree_env(compiled_src) if compiled_src and arm == COMPILED_ARM else None
+        in_envoy = arm == "extproc-lua"
         stack = exit_stack.enter_context(
             bench_stack(
-                where, bench_policy, kind, profile, accounting_process=child, extproc_env=env
+                where,
+                bench_policy,
+                kind,
+                profile,
+                accounting_process=child,
+                extproc_env=env,
+                count_in_envoy=in_envoy,
             )
         )
         measure(stack, 20, 4, 1.0)  # warm up connections and caches
@@ -311,9 +332,11 @@ def compare(runs: list[dict[str, Any]], levels: tuple[int, ...]) -> dict[str, An
         noop_short, noop_long = _find(runs, "noop", 20, level), _find(runs, "noop", 500, level)
         straight_short = _find(runs, "straight", 20, level)
         floor_req = noop_short["extproc_cpu_us_per_request"]
+        floor_both = floor_req + noop_short["envoy_cpu_us_per_request"]
         floor_chunk = per_chunk_us(noop_short, noop_long)
         figures: dict[str, Any] = {
             "cpu_per_request_us": {"floor": floor_req},
+            "cpu_per_request_with_envoy_us": {"floor": floor_both},
             "cpu_per_chunk_us": {"floor": floor_chunk},
             "rps_20_tokens": {"straight": straight_short["rps"], "floor": noop_short["rps"]},
             "ttfb_p50_increase_ms": {
@@ -326,6 +349,11 @@ def compare(runs: list[dict[str, Any]], levels: tuple[int, ...]) -> dict[str, An
             short, long_ = _find(runs, arm, 20, level), _find(runs, arm, 500, level)
             request, chunk = short["extproc_cpu_us_per_request"], per_chunk_us(short, long_)
             figures["cpu_per_request_us"] |= {name: request, f"{name}_ratio": request / floor_req}
+            both = request + short["envoy_cpu_us_per_request"]
+            figures["cpu_per_request_with_envoy_us"] |= {
+                name: both,
+                f"{name}_ratio": both / floor_both,
+            }
             figures["cpu_per_chunk_us"] |= {name: chunk, f"{name}_ratio": chunk / floor_chunk}
             figures["rps_20_tokens"] |= {
                 name: short["rps"],
@@ -364,6 +392,16 @@ def print_table(runs: list[dict[str, Any]], summary: dict[str, Any]) -> None:
                 f" (target <= 1.5); req/s {rps[name]:.0f} vs {rps['floor']:.0f} = "
                 f"{rps[name + '_vs_floor']:.2f}x (target >= 0.9)"
             )
+        with_envoy = figures["cpu_per_request_with_envoy_us"]
+        print(
+            "  with Envoy's CPU, per request: "
+            + ", ".join(
+                f"{label} {with_envoy[name]:.0f} us = {with_envoy[name + '_ratio']:.2f}x"
+                for name, label in OURS.values()
+                if name in with_envoy
+            )
+            + f" (floor {with_envoy['floor']:.0f} us)"
+        )
         print(f"  straight {rps['straight']:.0f} req/s")
 
 

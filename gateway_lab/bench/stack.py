@@ -288,6 +288,7 @@ def bench_stack(
     extproc_args: tuple[str, ...] = (),
     accounting_process: bool = False,
     extproc_env: Mapping[str, str] | None = None,
+    count_in_envoy: bool = False,
 ) -> Iterator[Gateway]:
     """A `short` and a `long` engine and one arm in front of them:
     `make_policy(short_endpoint, long_endpoint)` gives the policy text; `accounting_process`
@@ -303,5 +304,6 @@ def bench_stack(
             extproc_args,
             accounting_process=accounting_process,
             extproc_env=extproc_env,
+            count_in_envoy=count_in_envoy,
         ) as gateway:
             yield gateway

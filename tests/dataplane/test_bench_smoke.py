@@ -107,14 +107,19 @@ def test_overhead_quick(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> N
     out, data, printed = _run(overhead, tmp_path, capsys)
     _png(out / "overhead.png")
     arms = {run["arm"] for run in data["runs"]}
-    assert arms == {"straight", "noop", "extproc", "extproc-child"}
+    assert arms == {"straight", "noop", "extproc", "extproc-child", "extproc-lua"}
     for run in data["runs"]:
         assert run["ok"] > 0, f"{run['arm']} served no request"
         assert {"rps", "ttfb_p50_ms", "ttfb_p99_ms", "extproc_cpu_us_per_request"} <= set(run)
     [figures] = data["summary"].values()
     assert {"cpu_per_request_us", "cpu_per_chunk_us", "rps_20_tokens"} <= set(figures)
     # Both layouts against the floor; the child's CPU counts both of its processes.
-    assert {"ours_ratio", "ours_child_ratio"} <= set(figures["cpu_per_request_us"])
+    assert {"ours_ratio", "ours_child_ratio", "ours_lua_ratio"} <= set(
+        figures["cpu_per_request_us"]
+    )
+    # Counting in Envoy moves work into Envoy: it is compared with Envoy's CPU counted too.
+    with_envoy = figures["cpu_per_request_with_envoy_us"]
+    assert with_envoy["ours_lua"] > figures["cpu_per_request_us"]["ours_lua"] > 0
     child = next(r for r in data["runs"] if r["arm"] == "extproc-child")
     assert child["extproc_cpu_us_per_request"] > 0
     assert "in process: CPU/request" in printed and "with the child: CPU/request" in printed
@@ -123,6 +128,7 @@ def test_overhead_quick(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> N
         "noop",
         "extproc",
         "extproc-child",
+        "extproc-lua",
     }
     assert all(row["ok"] > 0 for row in data["gateway_bound"])
     assert "gateway-bound throughput" in printed
