@@ -77,6 +77,8 @@ def timed_bootstrap(text: str) -> str:
     bootstrap = json.loads(text)
     found = 0
     for entry in _access_logs(bootstrap):
+        if "logFormat" not in entry["typedConfig"]:
+            continue  # the gRPC access log of counting in Envoy (extproc.envoy_lua)
         fields = entry["typedConfig"]["logFormat"]["jsonFormat"]
         fields.update(TIMING_FIELDS)
         fields.update(EXT_PROC_FIELDS)

@@ -11,7 +11,8 @@ do-nothing ext_proc (`noop`), kvwarden 0.1.6 (per-tenant token bucket 600/min, b
 tenants from `X-Tenant-ID`; its own venv, scripts/setup-kvwarden.sh), and Envoy with our
 service (the default policy: DRR, headroom, adaptive soft limit, overload shedding), its
 accounting streams in their own process (`serve --accounting-grpc`; the `-inproc` arms keep
-them on the admission process's event loop, the layout before, side by side).
+them on the admission process's event loop, the layout before, side by side; the `-lua` arms
+have Envoy count and tell the service instead, `serve --envoy-events`, extproc.envoy_lua).
 
 Per arm: the quiet tenant's time to the first streamed chunk (P50/P99, their ratio to the
 quiet tenant alone straight to the engine: "solo"), its failed requests, the flooder's answers
@@ -157,6 +158,7 @@ def front(arm: Arm, workdir: Path, endpoint: str, kvwarden_venv: Path) -> Iterat
         bootstrap_edit=edit,
         accounting_process=arm.accounting_process,
         extproc_env=env,
+        count_in_envoy=arm.count_in_envoy,
     ) as gateway:
         yield gateway
 

@@ -35,6 +35,9 @@ class Arm:
     door_limit: int | None = None
     """A static soft limit at the door instead of the adaptive one (`room-door-N`, the
     limit `extproc bench frontier --workload kvwarden` finds in the simulator)."""
+    count_in_envoy: bool = False
+    """Envoy counts and tells the service (`serve --envoy-events`, extproc.envoy_lua): no
+    accounting streams at all (`-lua` arms)."""
 
 
 ARMS = (
@@ -54,6 +57,9 @@ ARMS = (
     Arm("over-kvwarden", "kvwarden", "over"),
     Arm("over-full", "service", "over"),
     Arm("over-inproc", "service", "over", accounting_process=False),
+    Arm("alone-lua", "service", "alone", count_in_envoy=True),
+    Arm("room-lua", "service", "room", count_in_envoy=True),
+    Arm("over-lua", "service", "over", count_in_envoy=True),
 )
 
 

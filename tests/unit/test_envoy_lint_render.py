@@ -14,7 +14,8 @@ from extproc.envoy_lint.lint import lint_file
 from extproc.envoy_lint.reference import reference
 from extproc.envoy_lint.source import Node
 from extproc.envoy_lint.values import seconds
-from extproc.envoy_routes import ADMISSION_FILTER
+from extproc.envoy_lua import COUNTING_FILTER
+from extproc.envoy_routes import ACCOUNTING_FILTER, ADMISSION_FILTER
 from extproc.policy import Policy, policy_from_text
 from tests.conftest import policy_yaml
 from tests.unit.test_envoy_lint import PENDING_CHECKS
@@ -85,3 +86,36 @@ def test_camel_case_json_points_at_the_broken_line(tmp_path: Path) -> None:
     findings = lint_file(str(path), reference(policy))
     errors = [f for f in findings if f.check not in PENDING_CHECKS]
     assert [(f.check, f.line, f.severity) for f in errors] == [("message-timeout", number, "error")]
+
+
+def test_counting_in_envoy_passes_the_lint_and_both_counters_do_not(tmp_path: Path) -> None:
+    """`--count-in-envoy` renders Envoy's counting filter in place of the accounting ext_proc
+    filter: the lint takes it for the accounting role; a config with both (each settling every
+    request) or with the counting filter before the admission filter is an error."""
+    policy = policy_from_text(policy_yaml())
+    text = render_bootstrap(policy, RenderOptions(envoy_events="127.0.0.1:50060"))
+    path = tmp_path / "envoy.json"
+    path.write_text(text)
+    ok = lint_file(str(path), reference(policy))
+    assert [f for f in ok if f.check not in PENDING_CHECKS] == []
+
+    config = json.loads(text)
+    manager = config["staticResources"]["listeners"][0]["filterChains"][0]["filters"][0]
+    filters = manager["typedConfig"]["httpFilters"]
+    names = [f["name"] for f in filters]
+    assert COUNTING_FILTER in names and ACCOUNTING_FILTER not in names
+    counting = filters.pop(names.index(COUNTING_FILTER))
+    with_accounting = json.loads(render_bootstrap(policy, RenderOptions()))
+    manager_b = with_accounting["staticResources"]["listeners"][0]["filterChains"][0]["filters"]
+    filters_b = manager_b[0]["typedConfig"]["httpFilters"]
+    filters_b.insert(len(filters_b) - 1, counting)
+    both = tmp_path / "both.json"
+    both.write_text(json.dumps(with_accounting, indent=2))
+    errors = [f for f in lint_file(str(both), reference(policy)) if f.severity == "error"]
+    assert any("counted twice" in f.message for f in errors), errors
+
+    filters.insert(0, counting)  # before the admission filter
+    early = tmp_path / "early.json"
+    early.write_text(json.dumps(config, indent=2))
+    errors = [f for f in lint_file(str(early), reference(policy)) if f.severity == "error"]
+    assert any("comes before" in f.message for f in errors), errors

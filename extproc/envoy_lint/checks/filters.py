@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 from extproc.envoy_lint.findings import Issue, error, missing, note
-from extproc.envoy_lint.model import ExtProc, Role, Setting, View
+from extproc.envoy_lint.model import ExtProc, HttpFilter, Role, Setting, View
 from extproc.envoy_lint.reference import Reference
+from extproc.envoy_lua import COUNTING_FILTER
 from extproc.service.roles import ACCOUNTING_ROLE, ROLE_METADATA
 
 # Envoy's defaults when processing_mode leaves a field out.
@@ -46,11 +47,26 @@ _WHAT: dict[Role, str] = {
 }
 
 
+def _counting(view: View) -> list[HttpFilter]:
+    """Envoy's own counting filter (extproc.envoy_lua): it does the accounting filter's job."""
+    return [f for f in view.filters or [] if f.name == COUNTING_FILTER]
+
+
 def _presence(view: View) -> list[Issue]:
     issues = []
+    counting = _counting(view)
+    if counting and _of_role(view, "accounting"):
+        issues.append(
+            error(
+                counting[0].line,
+                f"both {COUNTING_FILTER} and an accounting ext_proc filter: each settles every "
+                "request, so its tokens are counted twice",
+                "keep one (`extproc envoy render --count-in-envoy` renders the counting one)",
+            )
+        )
     for role, what in _WHAT.items():
         found = _of_role(view, role)
-        if not found:
+        if not found and not (role == "accounting" and counting):
             issues.append(
                 missing(
                     view.complete,
@@ -99,6 +115,18 @@ def _order(view: View) -> list[Issue]:
                 )
             )
     admission, accounting = _of_role(view, "admission"), _of_role(view, "accounting")
+    counting = _counting(view)
+    if admission and counting:
+        first = positions.get(id(admission[0]))
+        if first is not None and view.filters.index(counting[0]) < first:
+            issues.append(
+                error(
+                    counting[0].line,
+                    f"{COUNTING_FILTER} comes before {names[first]}: it finds its request by the "
+                    "x-gateway-request-id header that the admission filter sets",
+                    "put the admission filter first",
+                )
+            )
     if admission and accounting:
         first, second = positions.get(id(admission[0])), positions.get(id(accounting[0]))
         if first is not None and second is not None and second < first:
