@@ -19,6 +19,7 @@ silence, so its capacity does not leak.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
@@ -140,8 +141,8 @@ class EventsServer:
         self.counts = counts
         app = web.Application(client_max_size=MAX_EVENT_BYTES)
         app.router.add_post("/attach/{id}", self._attach)
-        app.router.add_post("/first/{id}", self._first)
-        app.router.add_post("/output/{id}", self._output)
+        app.router.add_post("/first/{id}", functools.partial(self._counted, counts.first))
+        app.router.add_post("/output/{id}", functools.partial(self._counted, counts.output))
         self._runner = web.AppRunner(app, access_log=None, shutdown_timeout=1.0)
         self._sweeper: asyncio.Task[None] | None = None
 
@@ -167,18 +168,13 @@ class EventsServer:
         self.counts.attach(request.match_info["id"])
         return web.Response(status=204)
 
-    async def _first(self, request: web.Request) -> web.Response:
+    @staticmethod
+    async def _counted(apply: Callable[[str, int], None], request: web.Request) -> web.Response:
+        """A call that carries the output so far (`/first`, `/output`)."""
         output = _count(await request.text())
         if output is None:
             return web.Response(status=400)
-        self.counts.first(request.match_info["id"], output)
-        return web.Response(status=204)
-
-    async def _output(self, request: web.Request) -> web.Response:
-        output = _count(await request.text())
-        if output is None:
-            return web.Response(status=400)
-        self.counts.output(request.match_info["id"], output)
+        apply(request.match_info["id"], output)
         return web.Response(status=204)
 
 
