@@ -274,8 +274,8 @@ class AdmissionController:
         self.gate.released(grant.lease_id, input_tokens, output_tokens)
         self.pump()
 
-    def charge_output(self, grant: Grant, tokens: int) -> None:
-        self.scheduler.charge_output(grant.lease_id, tokens)
+    def charge_output(self, grant: Grant, tokens: int, largest_gap: float | None = None) -> None:
+        self.scheduler.charge_output(grant.lease_id, tokens, largest_gap)
         self.gate.charged(grant.lease_id, tokens)
 
     def first_token(self, grant: Grant) -> None:

@@ -9,8 +9,9 @@ Envoy instead"). Here Envoy counts the chunks itself and tells the service only 
   held until it ends, as an accounting stream's attach holds it;
 * the first chunk: `POST /first/<id>` with the output seen so far (the first token: prefill
   pacing, the TTFT δ);
-* every `EVERY` chunks: `POST /output/<id>` with the output seen so far (fair-share charges as
-  the output passes);
+* every `EVERY` chunks: `POST /output/<id>` with the output seen so far and the longest gap
+  (microseconds, Envoy's clock) between two chunks with output since the last call (fair-share
+  charges as the output passes; the inter-token gaps the δ objectives watch);
 * the end, however it ends (a client that leaves mid-stream included): the access-log entry
   Envoy sends the service's gRPC access-log sink, with the count and the engine's usage the
   script stored in the stream's dynamic metadata (namespace `gw`) after every chunk.
@@ -88,6 +89,7 @@ function envoy_on_response(handle)
   end
   local id = gw["id"]
   local base, since, chunks, carry = 0, 0, 0, ""
+  local last_at, largest = nil, 0
   for chunk in handle:bodyChunks() do
     local size = chunk:length()
     if size > 0 then
@@ -95,6 +97,13 @@ function envoy_on_response(handle)
       local _, a = string.gsub(text, '"content":"[^"]', "")
       local _, b = string.gsub(text, '"text":"[^"]', "")
       since = since + a + b
+      if a + b > 0 then
+        local at = tonumber(handle:timestampString(EnvoyTimestampResolution.MICROSECOND))
+        if last_at ~= nil and at - last_at > largest then
+          largest = at - last_at
+        end
+        last_at = at
+      end
       local window = carry .. text
       local metadata = handle:streamInfo():dynamicMetadata()
       if string.find(window, '"completion_tokens":', 1, true) then
@@ -117,7 +126,8 @@ function envoy_on_response(handle)
       if chunks == 1 then
         post(handle, "/first/" .. id, tostring(count))
       elseif chunks % EVERY == 0 then
-        post(handle, "/output/" .. id, tostring(count))
+        post(handle, "/output/" .. id, string.format("%d %d", count, largest))
+        largest = 0
       end
     end
   end

@@ -77,10 +77,18 @@ class InterTokenClock:
         self._histogram = histogram
         self._last: float | None = None
 
-    def tokens_arrived(self, tokens: int, now: float) -> None:
+    def tokens_arrived(self, tokens: int, now: float, largest_gap: float | None = None) -> None:
+        """`largest_gap`: the tokens came as one batch of chunks (counting in Envoy) and this
+        was its longest gap: observed once, the other tokens at the mean of the rest."""
         last, self._last = self._last, now
-        if last is not None and self._histogram is not None:
+        if last is None or self._histogram is None:
+            return
+        if largest_gap is None or tokens < 2:
             self._histogram.observe((now - last) / tokens, tokens)
+            return
+        self._histogram.observe(largest_gap, 1)
+        rest = max(0.0, now - last - largest_gap)
+        self._histogram.observe(rest / (tokens - 1), tokens - 1)
 
 
 class WeightedHistogram:

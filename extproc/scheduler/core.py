@@ -438,12 +438,13 @@ class Scheduler:
 
     # --- leases ---------------------------------------------------------------------------------
 
-    def charge_output(self, lease_id: int, tokens: int) -> bool:
-        """Output tokens streamed for an admitted request (a delta, not a running total)."""
+    def charge_output(self, lease_id: int, tokens: int, largest_gap: float | None = None) -> bool:
+        """Output tokens streamed for an admitted request (a delta, not a running total);
+        `largest_gap` (s), when they came as one batch of chunks: its longest gap."""
         held = self._live.leases.get(lease_id)
         if held is None:
             return False
-        self._leases.charge_output(held, tokens, self.clock.now())
+        self._leases.charge_output(held, tokens, self.clock.now(), largest_gap)
         return True
 
     def first_token(self, lease_id: int) -> bool:

@@ -134,20 +134,25 @@ class Leases:
         entry = held.entry
         return held.lease.admitted_at if entry is None else entry.enqueued_at
 
-    def _observe_chunk(self, held: LeaseState, tokens: int, now: float) -> None:
-        """A chunk of `tokens` output tokens arrived: the token δ, and the k-th token's lag."""
+    def _observe_chunk(
+        self, held: LeaseState, tokens: int, now: float, largest_gap: float | None = None
+    ) -> None:
+        """A chunk of `tokens` output tokens arrived: the token δ, and the k-th token's lag.
+        `largest_gap`: the tokens came as one batch of several chunks (counting in Envoy), and
+        this was the longest gap between two of them: the δ sample is that gap's."""
         if not held.first_token:
             self.first_token(held, now)
         last, held.tokens_at = held.tokens_at, now
         pool = self._live.pools.get(held.lease.pool)
         if last is None or pool is None:
             return  # the first chunk with tokens only starts the clock (its gap is the TTFT)
-        gap = (now - last) / tokens
+        mean_gap = (now - last) / tokens
+        gap = mean_gap if largest_gap is None else largest_gap
         alone = pool.alone
         step = alone.step()  # before this sample teaches it
         if pool.capacity.inflight <= LOW_BATCH and pool.prefilling_tokens == 0:
             # a gap with another prompt being prefilled is that prompt's step, not a decode
-            alone.observe_step(gap)
+            alone.observe_step(mean_gap)
         if step is None:
             return
         self._live.delta_of(held.lease.tenant).tokens.add(gap - step, now)
@@ -177,11 +182,13 @@ class Leases:
         if bound is not None:
             pool.delta.observe(lag, bound, now, objectives.quantile)
 
-    def charge_output(self, held: LeaseState, tokens: int, now: float) -> None:
+    def charge_output(
+        self, held: LeaseState, tokens: int, now: float, largest_gap: float | None = None
+    ) -> None:
         if tokens <= 0:
             return
         held.output_seen += tokens
-        self._observe_chunk(held, tokens, now)
+        self._observe_chunk(held, tokens, now, largest_gap)
         extra = held.output_seen - held.charged_output
         if extra > 0:
             held.charged_output = held.output_seen

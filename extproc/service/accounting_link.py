@@ -114,7 +114,8 @@ class ForwardedLease:
         # CLOCK_MONOTONIC is one clock for every process of the host.
         self._port.emit([FIRST_BYTE, self._stream, at])
 
-    def charge_output(self, tokens: int) -> None:
+    def charge_output(self, tokens: int, largest_gap: float | None = None) -> None:
+        del largest_gap  # an accounting stream's chunks come one by one: never given
         if not self.pending_output:
             self._port.output_pending(self)
         self.pending_output += tokens

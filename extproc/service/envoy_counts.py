@@ -5,7 +5,8 @@ makes (extproc.service.accounting).
 * `POST /attach/<id>` (the request passed Envoy after its admission): `port.attach`;
 * `POST /first/<id>` with the output so far: `first_byte` (timed on arrival here), then the
   output charged;
-* `POST /output/<id>` with the output so far: the part not charged yet;
+* `POST /output/<id>` with the output so far and the longest gap between two of its chunks
+  (µs): the part not charged yet, with that gap (the token δ, the inter-token histogram);
 * the access-log entry of the stream's end: the upstream status, then `settle` with the engine's
   usage if the script saw it, else the count of what passed.
 
@@ -19,7 +20,6 @@ silence, so its capacity does not leak.
 from __future__ import annotations
 
 import asyncio
-import functools
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
@@ -79,10 +79,10 @@ class EnvoyCounts:
             entry.lease.first_byte(self._clock())
         self._charge(entry, output)
 
-    def output(self, request_id: str, output: int) -> None:
+    def output(self, request_id: str, output: int, largest_gap_us: int | None = None) -> None:
         entry = self._entry(request_id)
         if entry is not None:
-            self._charge(entry, output)
+            self._charge(entry, output, None if not largest_gap_us else largest_gap_us / 1e6)
 
     def ended(
         self, request_id: str, status: int, upstream: str | None, usage: Usage | None, seen: int
@@ -117,9 +117,9 @@ class EnvoyCounts:
         return entry
 
     @staticmethod
-    def _charge(entry: _Open, output: int) -> None:
+    def _charge(entry: _Open, output: int, largest_gap: float | None = None) -> None:
         if output > entry.charged:
-            entry.lease.charge_output(output - entry.charged)
+            entry.lease.charge_output(output - entry.charged, largest_gap)
             entry.charged = output
 
 
@@ -133,6 +133,19 @@ def _count(text: str) -> int | None:
     return value if value <= MAX_COUNT else None
 
 
+def count_and_gap(text: str) -> tuple[int, int | None] | None:
+    """`COUNT` or `COUNT GAP_US` (a call's body); None if malformed."""
+    count_text, _, gap_text = text.partition(" ")
+    count = _count(count_text)
+    if count is None:
+        return None
+    if not gap_text:
+        return count, None
+    if not gap_text.isdigit() or len(gap_text) > 12:
+        return None
+    return count, int(gap_text)
+
+
 class EventsServer:
     """`serve --envoy-events ADDRESS`: the Lua filter's calls (HTTP/1.1, from Envoy only: keep
     it on loopback or a private network, like the gRPC port)."""
@@ -141,8 +154,8 @@ class EventsServer:
         self.counts = counts
         app = web.Application(client_max_size=MAX_EVENT_BYTES)
         app.router.add_post("/attach/{id}", self._attach)
-        app.router.add_post("/first/{id}", functools.partial(self._counted, counts.first))
-        app.router.add_post("/output/{id}", functools.partial(self._counted, counts.output))
+        app.router.add_post("/first/{id}", self._first)
+        app.router.add_post("/output/{id}", self._output)
         self._runner = web.AppRunner(app, access_log=None, shutdown_timeout=1.0)
         self._sweeper: asyncio.Task[None] | None = None
 
@@ -168,13 +181,18 @@ class EventsServer:
         self.counts.attach(request.match_info["id"])
         return web.Response(status=204)
 
-    @staticmethod
-    async def _counted(apply: Callable[[str, int], None], request: web.Request) -> web.Response:
-        """A call that carries the output so far (`/first`, `/output`)."""
+    async def _first(self, request: web.Request) -> web.Response:
         output = _count(await request.text())
         if output is None:
             return web.Response(status=400)
-        apply(request.match_info["id"], output)
+        self.counts.first(request.match_info["id"], output)
+        return web.Response(status=204)
+
+    async def _output(self, request: web.Request) -> web.Response:
+        parsed = count_and_gap(await request.text())
+        if parsed is None:
+            return web.Response(status=400)
+        self.counts.output(request.match_info["id"], *parsed)
         return web.Response(status=204)
 
 

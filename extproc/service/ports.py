@@ -55,8 +55,10 @@ class AccountedLease(Protocol):
 
     def first_byte(self, at: float) -> None: ...
 
-    def charge_output(self, tokens: int) -> None:
-        """Output tokens seen so far in the response, beyond those charged before."""
+    def charge_output(self, tokens: int, largest_gap: float | None = None) -> None:
+        """Output tokens seen so far in the response, beyond those charged before;
+        `largest_gap` (s): they came as one batch of chunks (counting in Envoy), and this was
+        the longest gap between two of them."""
 
     def settle(self, usage: Usage | None, output_seen: int) -> None:
         """The response ended: `usage` when the engine reported it, else what passed."""

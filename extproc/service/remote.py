@@ -49,7 +49,7 @@ class RemoteRequestLease:
     def request_id(self) -> str:
         return self._remote.request_id
 
-    def charge_output(self, tokens: int) -> None:
+    def charge_output(self, tokens: int, largest_gap: float | None = None) -> None:
         clock = self._inter_token
         if clock is None:
             tenant, pool = self._remote.tenant, self._remote.pool
@@ -58,7 +58,7 @@ class RemoteRequestLease:
                 if tenant is not None and pool is not None
                 else None
             )
-        clock.tokens_arrived(tokens, time.monotonic())
+        clock.tokens_arrived(tokens, time.monotonic(), largest_gap)
         self._admission.charge_remote(self._remote, tokens)
 
     def settle(self, usage: Usage | None, output_seen: int) -> None:

@@ -358,12 +358,12 @@ class LocalLease:
         if request.grant is not None and not request.released:
             self._settlement.admission.first_token(request.grant)
 
-    def charge_output(self, tokens: int) -> None:
-        # Called once per chunk that carries output tokens (tokens > 0).
-        self._inter_token.tokens_arrived(tokens, time.monotonic())
+    def charge_output(self, tokens: int, largest_gap: float | None = None) -> None:
+        # Called once per chunk (or batch of chunks) that carries output tokens (tokens > 0).
+        self._inter_token.tokens_arrived(tokens, time.monotonic(), largest_gap)
         request = self._request
         if request.grant is not None and not request.released:
-            self._settlement.admission.charge_output(request.grant, tokens)
+            self._settlement.admission.charge_output(request.grant, tokens, largest_gap)
 
     def settle(self, usage: Usage | None, output_seen: int) -> None:
         self._forget(self._request.request_id)

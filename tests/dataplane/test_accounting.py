@@ -281,3 +281,9 @@ async def test_first_tokens_and_gaps_reach_the_service(gateway: RunningGateway) 
     # with Envoy's calls every 16 chunks, a gap between two calls is weighted by the tokens
     # between them: at least the 15 between its first call (chunk 1) and its second (16).
     assert after.get(gaps, 0.0) - before.get(gaps, 0.0) >= 3 * 15
+    if gateway.config.envoy_events is not None:
+        # The counting script ran to the end of every response: Envoy counted no script error.
+        url = f"http://{gateway.config.envoy_admin}/stats?filter=lua"
+        async with aiohttp.ClientSession() as session, session.get(url) as answer:
+            stats = dict(line.split(": ") for line in (await answer.text()).splitlines())
+        assert stats["http.llm_gateway.lua.counting.errors"] == "0", stats

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from envoy.data.accesslog.v3.accesslog_pb2 import HTTPAccessLogEntry
 
 from extproc.envoy_lua import COUNTING_SCRIPT, EVENTS_CLUSTER, EVERY, METADATA_NAMESPACE
-from extproc.service.envoy_counts import LOST_AFTER_S, EnvoyCounts, end_of
+from extproc.service.envoy_counts import LOST_AFTER_S, EnvoyCounts, count_and_gap, end_of
 from extproc.sse import Usage
 
 
@@ -22,8 +22,10 @@ class FakeLease:
     def first_byte(self, at: float) -> None:
         self.calls.append(("first", at))
 
-    def charge_output(self, tokens: int) -> None:
-        self.calls.append(("charge", tokens))
+    def charge_output(self, tokens: int, largest_gap: float | None = None) -> None:
+        self.calls.append(
+            ("charge", tokens) if largest_gap is None else ("charge", tokens, largest_gap)
+        )
 
     def settle(self, usage: Usage | None, output_seen: int) -> None:
         self.calls.append(("settle", usage, output_seen))
@@ -108,6 +110,19 @@ def test_a_request_whose_end_never_comes_is_settled_after_the_silence() -> None:
     assert counts.settle_silent() == 1
     assert port.leases["quiet"].calls[-1] == ("settle", None, 3)
     assert counts.open_requests == 1
+
+
+def test_a_calls_longest_gap_goes_with_its_charge_and_bodies_are_checked() -> None:
+    port = Port("r1")
+    counts = EnvoyCounts(port, Clock())
+    counts.first("r1", 1)
+    counts.output("r1", 17, 70_000)
+    counts.output("r1", 17, 90_000)  # nothing new: no charge, whatever the gap
+    assert port.leases["r1"].calls[-1] == ("charge", 16, 0.07)
+    assert count_and_gap("17 70000") == (17, 70_000)
+    assert count_and_gap("17") == (17, None)
+    for bad in ("", "x", "17 x", "17 -1", "-1 5", "123456789", "17 1234567890123"):
+        assert count_and_gap(bad) is None, bad
 
 
 def _entry(**metadata: object) -> HTTPAccessLogEntry:

@@ -119,6 +119,22 @@ def test_token_delta_from_the_alone_step() -> None:
     assert tokens["samples"] == 2  # the gaps after the alone step had 3 samples
 
 
+def test_a_batch_of_chunks_is_judged_by_its_longest_gap() -> None:
+    """Counting in Envoy, 16 tokens arrive in one call with the longest gap between their
+    chunks: the token δ is that gap's, while the alone step learns from the mean."""
+    sched, clock = _scheduler()
+    lone = _one(sched, "lone", "quiet")
+    for _ in range(5):
+        clock.advance(0.02)
+        sched.charge_output(lone.lease.lease_id, 1)
+    clock.advance(0.32)  # 16 tokens at a mean of 20 ms, one gap of them 70 ms
+    sched.charge_output(lone.lease.lease_id, 16, largest_gap=0.07)
+    snapshot = sched.snapshot()
+    tokens = snapshot["tenants"]["quiet"]["latency_delta"]["tokens"]
+    assert tokens["peak_s"] == pytest.approx(0.05)
+    assert snapshot["pools"]["p"]["alone"]["step_s"] == pytest.approx(0.02)
+
+
 def test_the_controller_cuts_once_per_cooldown_and_opens_with_slack() -> None:
     control = DeltaController()
     control.observe(0.5, 0.1, 10.0)
