@@ -234,12 +234,13 @@ def wait_ready(
 
 
 def run_up(args: argparse.Namespace) -> int:
-    from extproc.service.workers import check_accounting
+    from extproc.service.workers import check_accounting, check_envoy_events
 
     requested = getattr(args, "accounting_grpc", None)
+    workers = getattr(args, "workers", 1)
     refused = check_accounting(
-        getattr(args, "workers", 1), "" if requested in (None, ACCOUNTING_OFF) else requested
-    )
+        workers, "" if requested in (None, ACCOUNTING_OFF) else requested
+    ) or check_envoy_events(workers, getattr(args, "count_in_envoy", None) or "")
     if refused is not None:
         print(f"extproc up: {refused}", file=sys.stderr)
         return 2

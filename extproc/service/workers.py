@@ -144,6 +144,18 @@ def check_accounting(workers: int, accounting_grpc: str) -> str | None:
     )
 
 
+def check_envoy_events(workers: int, envoy_events: str) -> str | None:
+    """Why `--envoy-events` cannot run with these workers, or None."""
+    if workers <= 1 or not envoy_events.strip():
+        return None
+    return (
+        f"--envoy-events with --workers {workers} is not supported: every worker would bind "
+        "the one events address, and a request's calls would reach another worker than the "
+        "one that admitted it. Run one worker per host with --envoy-events (scale out with "
+        "replicas sharing Redis)."
+    )
+
+
 def reserve_port(address: str) -> tuple[str, socket.socket | None]:
     """A concrete address for `host:0`, held by a bound (not listening) SO_REUSEPORT socket so
     that nobody else takes the port while workers come and go."""
@@ -324,7 +336,9 @@ def run_workers(args: argparse.Namespace) -> int:
     if args.workers < 1:
         print("--workers must be at least 1", file=sys.stderr)
         return 2
-    problem = check_accounting(args.workers, getattr(args, "accounting_grpc", "") or "")
+    problem = check_accounting(
+        args.workers, getattr(args, "accounting_grpc", "") or ""
+    ) or check_envoy_events(args.workers, getattr(args, "envoy_events", "") or "")
     if problem is None:
         problem = check_state(args.policy, args.workers, args.allow_unshared_workers)
     if problem is not None:

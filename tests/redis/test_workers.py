@@ -16,6 +16,7 @@ import pytest
 
 from extproc.service.workers import (
     check_accounting,
+    check_envoy_events,
     check_state,
     worker_address,
     worker_addresses,
@@ -170,3 +171,25 @@ async def test_workers_share_one_port_and_a_dead_worker_comes_back(
         assert time.monotonic() < deadline, f"no new worker after the crash: {seen}"
         seen |= await pids_seen(4, tolerate_resets=True)
     assert victim not in seen
+
+
+def test_envoy_events_are_refused_with_several_workers(tmp_path: Path) -> None:
+    problem = check_envoy_events(2, "127.0.0.1:7000")
+    assert problem is not None and "--envoy-events with --workers 2" in problem
+    assert check_envoy_events(1, "127.0.0.1:7000") is None
+    assert check_envoy_events(2, "") is None
+    policy = tmp_path / "shared.yaml"
+    policy.write_text(policy_yaml(extra="state: {backend: redis, replicas: 2}\n"))
+    events = f"127.0.0.1:{free_port()}"
+    for command in (
+        [sys.executable, "-m", "extproc", "serve", "--workers", "2", "--policy", str(policy),
+         "--grpc", f"127.0.0.1:{free_port()}", "--admin", f"127.0.0.1:{free_port()}",
+         "--envoy-events", events],
+        [sys.executable, "-m", "extproc", "up", "--workers", "2", "--policy", str(policy),
+         "--count-in-envoy", events],
+    ):  # fmt: skip
+        refused = subprocess.run(
+            command, cwd=ROOT, capture_output=True, text=True, timeout=60, check=False
+        )
+        assert refused.returncode == 2, refused.stderr
+        assert "--envoy-events with --workers 2 is not supported" in refused.stderr
