@@ -126,8 +126,13 @@ class EnvoyCounts:
 # -- the events listener -----------------------------------------------------------------------
 
 
+def _digits(text: str, most: int) -> bool:
+    """ASCII digits only (`str.isdigit` takes '²', which `int` refuses), at most `most`."""
+    return 0 < len(text) <= most and text.isascii() and text.isdigit()
+
+
 def _count(text: str) -> int | None:
-    if not text.isdigit() or len(text) > 8:
+    if not _digits(text, 8):
         return None
     value = int(text)
     return value if value <= MAX_COUNT else None
@@ -141,7 +146,7 @@ def count_and_gap(text: str) -> tuple[int, int | None] | None:
         return None
     if not gap_text:
         return count, None
-    if not gap_text.isdigit() or len(gap_text) > 12:
+    if not _digits(gap_text, 12):
         return None
     return count, int(gap_text)
 

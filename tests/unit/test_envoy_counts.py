@@ -121,7 +121,7 @@ def test_a_calls_longest_gap_goes_with_its_charge_and_bodies_are_checked() -> No
     assert port.leases["r1"].calls[-1] == ("charge", 16, 0.07)
     assert count_and_gap("17 70000") == (17, 70_000)
     assert count_and_gap("17") == (17, None)
-    for bad in ("", "x", "17 x", "17 -1", "-1 5", "123456789", "17 1234567890123"):
+    for bad in ("", "x", "17 x", "17 -1", "-1 5", "123456789", "17 1234567890123", "²", "1 ²"):
         assert count_and_gap(bad) is None, bad
 
 
