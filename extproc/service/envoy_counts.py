@@ -58,10 +58,29 @@ class _Open:
 class EnvoyCounts:
     """The requests Envoy counts for us, by gateway request id, until their end."""
 
-    def __init__(self, port: AccountingPort, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        port: AccountingPort,
+        clock: Callable[[], float] = time.monotonic,
+        forwarded_at: Callable[[str], float | None] = lambda request_id: None,
+        loop_lag: Callable[[], float] = lambda: 0.0,
+    ) -> None:
         self._port = port
         self._clock = clock
+        self._forwarded_at = forwarded_at
+        self._loop_lag = loop_lag
+        self._attach_delay_s = 0.0
+        """From the forward to the attach call, for the last request this process admitted."""
         self._open: dict[str, _Open] = {}
+
+    def behind_s(self, forwarded_at: float | None = None) -> float:
+        """How late attach calls come now (`Settlement.accounting_behind`): the last one's
+        delay after its forward, or this loop's lag, the larger. A forwarded request's
+        capacity waits that much past the attach grace: an attach call queued behind a
+        stalled loop would otherwise find its capacity freed (the loop runs due timers, the
+        grace's among them, before it reads the sockets)."""
+        del forwarded_at  # both figures are about the process, not one request
+        return max(self._attach_delay_s, self._loop_lag(), 0.0)
 
     @property
     def open_requests(self) -> int:
@@ -108,10 +127,14 @@ class EnvoyCounts:
     def _entry(self, request_id: str) -> _Open | None:
         entry = self._open.get(request_id)
         if entry is None:
+            forwarded = self._forwarded_at(request_id)
             lease = self._port.attach(request_id)
             if lease is None:
                 return None
-            entry = self._open[request_id] = _Open(lease, self._clock())
+            now = self._clock()
+            if forwarded is not None:
+                self._attach_delay_s = max(0.0, now - forwarded)
+            entry = self._open[request_id] = _Open(lease, now)
         else:
             entry.heard_at = self._clock()
         return entry

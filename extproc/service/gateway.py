@@ -105,8 +105,9 @@ class Gateway:
         return request.admission_ended_at if request is not None else None
 
     def accounting_runs_behind_by(self, behind: Callable[[float], float]) -> None:
-        """The accounting streams run in a child process that reports how far behind it is:
-        a forwarded request's capacity waits that much longer for its attach."""
+        """The accounting side reports how far behind it is (a child process running the
+        accounting streams, or counting in Envoy's late attach calls): a forwarded request's
+        capacity waits that much longer for its attach."""
         self._settlement.accounting_behind = behind
 
     def track_engines(self, policy: Policy) -> None:

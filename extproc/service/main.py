@@ -319,7 +319,10 @@ class Service:
             gateway.accounting_runs_behind_by(self.accounting.behind_s)
         also = None
         if options.envoy_events:
-            counts = self.envoy_counts = EnvoyCounts(gateway)
+            counts = self.envoy_counts = EnvoyCounts(
+                gateway, forwarded_at=gateway.forwarded_at, loop_lag=lambda: gateway.overload.lag_s
+            )
+            gateway.accounting_runs_behind_by(counts.behind_s)
             self.envoy_events = EventsServer(counts)
             self.envoy_events_port = await self.envoy_events.start(options.envoy_events)
             also = functools.partial(add_access_log_sink, counts=counts)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import pytest
 from envoy.data.accesslog.v3.accesslog_pb2 import HTTPAccessLogEntry
 
 from extproc.envoy_lua import COUNTING_SCRIPT, EVENTS_CLUSTER, EVERY, METADATA_NAMESPACE
@@ -123,6 +124,25 @@ def test_a_calls_longest_gap_goes_with_its_charge_and_bodies_are_checked() -> No
     assert count_and_gap("17") == (17, None)
     for bad in ("", "x", "17 x", "17 -1", "-1 5", "123456789", "17 1234567890123", "²", "1 ²"):
         assert count_and_gap(bad) is None, bad
+
+
+def test_late_attach_calls_and_a_lagging_loop_say_how_far_behind_counting_is() -> None:
+    port, clock = Port("r1", "r2"), Clock()
+    forwarded = {"r1": 100.0, "r2": 104.0}
+    lag = [0.0]
+    counts = EnvoyCounts(port, clock, forwarded.get, lambda: lag[0])
+    assert counts.behind_s() == 0.0
+    clock.now = 102.5
+    counts.attach("r1")  # 2.5 s after its forward
+    assert counts.behind_s(104.0) == 2.5
+    lag[0] = 3.0
+    assert counts.behind_s() == 3.0
+    lag[0] = 0.0
+    clock.now = 104.01
+    counts.first("r2", 1)  # the next attach came on time: it sets the figure
+    assert counts.behind_s() == pytest.approx(0.01)
+    counts.attach("unknown")  # not admitted here: no figure
+    assert counts.behind_s() == pytest.approx(0.01)
 
 
 def _entry(**metadata: object) -> HTTPAccessLogEntry:
