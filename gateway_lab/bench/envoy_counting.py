@@ -183,17 +183,24 @@ def measure(
     }
 
 
-def per_chunk(runs: Iterable[Mapping[str, Any]]) -> dict[str, float]:
-    """CPU per streamed chunk (us) of Envoy and the front: the slope between the short and
-    the long responses, each size's runs merged (total CPU over total requests)."""
+def _by_size(runs: Iterable[Mapping[str, Any]]) -> dict[int, list[Mapping[str, Any]]]:
     by_size: dict[int, list[Mapping[str, Any]]] = {}
     for run in runs:
         by_size.setdefault(int(run["tokens"]), []).append(run)
-    short, long_ = (by_size[size] for size in SIZES)
+    return by_size
 
-    def per_request(group: list[Mapping[str, Any]], key: str) -> float:
-        requests = sum(int(r["requests"]) for r in group) or 1
-        return sum(float(r["cpu_s"][key]) for r in group) / requests * 1e6
+
+def _cpu_us_per_request(group: list[Mapping[str, Any]], keys: Iterable[str]) -> float:
+    """The group's runs merged: total CPU of `keys` over total requests, in us."""
+    requests = sum(int(r["requests"]) for r in group) or 1
+    return sum(float(r["cpu_s"][key]) for r in group for key in keys) / requests * 1e6
+
+
+def per_chunk(runs: Iterable[Mapping[str, Any]]) -> dict[str, float]:
+    """CPU per streamed chunk (us) of Envoy and the front: the slope between the short and
+    the long responses, each size's runs merged (total CPU over total requests)."""
+    by_size = _by_size(runs)
+    short, long_ = (by_size[size] for size in SIZES)
 
     def events(group: list[Mapping[str, Any]]) -> float:
         requests = sum(int(r["requests"]) for r in group) or 1
@@ -201,7 +208,9 @@ def per_chunk(runs: Iterable[Mapping[str, Any]]) -> dict[str, float]:
 
     extra = events(long_) - events(short)
     out = {
-        key: (per_request(long_, key) - per_request(short, key)) / extra if extra > 0 else 0.0
+        key: (_cpu_us_per_request(long_, [key]) - _cpu_us_per_request(short, [key])) / extra
+        if extra > 0
+        else 0.0
         for key in ("envoy", "front")
     }
     out["both"] = out["envoy"] + out["front"]
@@ -227,13 +236,10 @@ def served_output_tokens(gateway: Gateway) -> int:
 
 def per_request(runs: Iterable[Mapping[str, Any]]) -> dict[int, float]:
     """CPU per request (us) of Envoy and the front together, by response size."""
-    cpu: dict[int, float] = {}
-    requests: dict[int, int] = {}
-    for run in runs:
-        size = int(run["tokens"])
-        cpu[size] = cpu.get(size, 0.0) + sum(float(v) for v in run["cpu_s"].values())
-        requests[size] = requests.get(size, 0) + int(run["requests"])
-    return {size: cpu[size] / max(1, requests[size]) * 1e6 for size in sorted(cpu)}
+    return {
+        size: _cpu_us_per_request(group, ("envoy", "front"))
+        for size, group in sorted(_by_size(runs).items())
+    }
 
 
 def print_table(report: Mapping[str, Any]) -> None:

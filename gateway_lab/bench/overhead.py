@@ -90,26 +90,22 @@ async def closed_run(
     return load.records
 
 
-def _front_cpu_s(stack: Gateway) -> float:
-    """CPU seconds of the ext_proc server and its accounting child, if any; 0 without one."""
-    pid = stack.pid_of("extproc")
-    return 0.0 if pid is None else tree_cpu_seconds(pid)
-
-
-def _envoy_cpu_s(stack: Gateway) -> float:
-    pid = stack.pid_of("envoy")
+def _cpu_s(stack: Gateway, child: str) -> float:
+    """CPU seconds of a child's process tree (`extproc`: the server and its accounting child,
+    if any; `envoy`); 0 without one."""
+    pid = stack.pid_of(child)
     return 0.0 if pid is None else tree_cpu_seconds(pid)
 
 
 def measure(
     stack: Gateway, output_tokens: int, concurrency: int, duration_s: float, arm: str = ""
 ) -> dict[str, Any]:
-    cpu_before, envoy_before = _front_cpu_s(stack), _envoy_cpu_s(stack)
+    cpu_before, envoy_before = _cpu_s(stack, "extproc"), _cpu_s(stack, "envoy")
     started = time.perf_counter()
     records = asyncio.run(closed_run(stack.url, workload(output_tokens), concurrency, duration_s))
     elapsed = time.perf_counter() - started
-    cpu = _front_cpu_s(stack) - cpu_before
-    envoy_cpu = _envoy_cpu_s(stack) - envoy_before
+    cpu = _cpu_s(stack, "extproc") - cpu_before
+    envoy_cpu = _cpu_s(stack, "envoy") - envoy_before
     summary: dict[str, Any] = dict(summarize(records, elapsed))
     ok = summary["ok"] or 1.0
     summary.update(
