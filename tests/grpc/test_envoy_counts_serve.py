@@ -12,6 +12,7 @@ import urllib.error
 import urllib.request
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
@@ -29,7 +30,7 @@ from tests.grpc.test_extproc_stream import (
     headers_message,
     set_headers,
 )
-from tests.serve_support import ServeProcess, get_json, serve_process
+from tests.serve_support import ServeProcess, get_json, serve_process, wait_for
 
 CHAT = "/v1/chat/completions"
 
@@ -76,6 +77,11 @@ def _events_port(served: ServeProcess) -> int:
     return int(serving["envoy_events"])
 
 
+def _draining(served: ServeProcess) -> tuple[int, Any] | None:
+    answer = get_json(served.admin_url + "/readyz")
+    return answer if answer[0] == 503 else None
+
+
 def _inflight(served: ServeProcess) -> int:
     _, view = get_json(served.admin_url + "/v1/tenants")
     return int(view["tenants"]["globex"]["inflight"])
@@ -116,8 +122,10 @@ async def test_the_access_log_settles_and_a_drain_waits_for_it_only(
             second = await admitted()
             assert await asyncio.to_thread(_inflight, served) == 1
 
-            served.signal(signal.SIGTERM)
-            status, ready = await asyncio.to_thread(get_json, served.admin_url + "/readyz")
+            served.signal(signal.SIGTERM)  # handled when the process gets to it: poll
+            status, ready = await asyncio.to_thread(
+                wait_for, lambda: _draining(served), "/readyz to say draining"
+            )
             assert status == 503 and ready["status"] == "draining"
             assert served.process.poll() is None  # the in-flight request holds it
             await access_log.ended(second, 7, 5)
