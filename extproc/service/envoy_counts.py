@@ -25,13 +25,13 @@ import time
 from collections.abc import AsyncIterator, Callable
 
 import grpc
-from aiohttp import web
 from envoy.data.accesslog.v3.accesslog_pb2 import HTTPAccessLogEntry
 from envoy.service.accesslog.v3 import als_pb2_grpc
 from envoy.service.accesslog.v3.als_pb2 import StreamAccessLogsMessage, StreamAccessLogsResponse
 from google.protobuf.struct_pb2 import Struct
 
 from extproc.envoy_lua import METADATA_NAMESPACE
+from extproc.service.events_http import EventsHttpServer
 from extproc.service.ports import AccountedLease, AccountingPort
 from extproc.sse import Usage
 
@@ -176,52 +176,47 @@ def count_and_gap(text: str) -> tuple[int, int | None] | None:
 
 class EventsServer:
     """`serve --envoy-events ADDRESS`: the Lua filter's calls (HTTP/1.1, from Envoy only: keep
-    it on loopback or a private network, like the gRPC port)."""
+    it on loopback or a private network, like the gRPC port; extproc.service.events_http)."""
 
     def __init__(self, counts: EnvoyCounts) -> None:
         self.counts = counts
-        app = web.Application(client_max_size=MAX_EVENT_BYTES)
-        app.router.add_post("/attach/{id}", self._attach)
-        app.router.add_post("/first/{id}", self._first)
-        app.router.add_post("/output/{id}", self._output)
-        self._runner = web.AppRunner(app, access_log=None, shutdown_timeout=1.0)
+        self._http = EventsHttpServer(self._event, MAX_EVENT_BYTES)
         self._sweeper: asyncio.Task[None] | None = None
 
     async def start(self, address: str) -> int:
-        await self._runner.setup()
-        host, _, port = address.rpartition(":")
-        site = web.TCPSite(self._runner, host.strip("[]"), int(port))
-        await site.start()
+        """Listens on `address`; returns the bound port (when 0 was asked for)."""
+        port = await self._http.start(address)
         self._sweeper = asyncio.create_task(self._sweep())
-        return int(self._runner.addresses[0][1])  # the bound port, when 0 was asked for
+        return port
 
     async def stop(self) -> None:
         if self._sweeper is not None:
             self._sweeper.cancel()
-        await self._runner.cleanup()
+        await self._http.stop()
 
     async def _sweep(self) -> None:
         while True:
             await asyncio.sleep(SWEEP_INTERVAL_S)
             self.counts.settle_silent()
 
-    async def _attach(self, request: web.Request) -> web.Response:
-        self.counts.attach(request.match_info["id"])
-        return web.Response(status=204)
-
-    async def _first(self, request: web.Request) -> web.Response:
-        output = _count(await request.text())
-        if output is None:
-            return web.Response(status=400)
-        self.counts.first(request.match_info["id"], output)
-        return web.Response(status=204)
-
-    async def _output(self, request: web.Request) -> web.Response:
-        parsed = count_and_gap(await request.text())
-        if parsed is None:
-            return web.Response(status=400)
-        self.counts.output(request.match_info["id"], *parsed)
-        return web.Response(status=204)
+    def _event(self, verb: str, request_id: str, body: bytes) -> int:
+        """One call: 204 taken, 400 a malformed body, 404 an unknown verb."""
+        if verb == "attach":
+            self.counts.attach(request_id)
+            return 204
+        if verb == "first":
+            output = _count(body.decode("ascii", "replace"))
+            if output is None:
+                return 400
+            self.counts.first(request_id, output)
+            return 204
+        if verb == "output":
+            parsed = count_and_gap(body.decode("ascii", "replace"))
+            if parsed is None:
+                return 400
+            self.counts.output(request_id, *parsed)
+            return 204
+        return 404
 
 
 # -- the access-log sink -----------------------------------------------------------------------
