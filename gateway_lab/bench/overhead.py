@@ -1,7 +1,8 @@
 """Benchmark: what the gateway costs. The same streamed workload through the same Envoy, three ways:
 straight to the engines, through the do-nothing ext_proc floor, and through our service.
 
-`extproc bench overhead [--out results/overhead] [--quick] [--compiled-src DIR]`
+`extproc bench overhead [--out results/overhead] [--quick] [--compiled-src DIR] [--before REV]
+[--arms A,B]`
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import math
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +24,7 @@ from gateway_lab.bench.cores import tree_cpu_seconds
 from gateway_lab.bench.figures import pyplot, save_figure
 from gateway_lab.bench.loadgen import Load, closed_loop, summarize
 from gateway_lab.bench.records import Meter, Record, Spec, percentile
-from gateway_lab.bench.revisions import check_compiled, tree_env
+from gateway_lab.bench.revisions import check_compiled, tree_env, tree_of_rev
 from gateway_lab.bench.stack import Gateway, bench_stack
 from gateway_lab.engine.tokens import chat_prompt_tokens
 from gateway_lab.progress import Progress
@@ -39,17 +40,32 @@ Envoy's CPU included (`cpu_per_request_with_envoy_us`)."""
 COMPILED_ARM = "compiled-child"
 """With `--compiled-src DIR`: `extproc-child` running the compiled build installed in DIR
 (scripts/build-compiled.sh)."""
+BEFORE_ARM = "lua-before"
+"""With `--before REV`: `extproc-lua` running that revision's extproc, side by side with this
+tree's (a change to the counting-in-Envoy path measured in one run)."""
+REQUIRED_ARMS = ("straight", "noop")
+"""The arms every comparison is made against (`--arms` always runs them)."""
 OURS = {
     "extproc": ("ours", "in process"),
     "extproc-child": ("ours_child", "with the child"),
     "extproc-lua": ("ours_lua", "counting in Envoy"),
     COMPILED_ARM: ("compiled_child", "compiled"),
+    BEFORE_ARM: ("ours_lua_before", "counting in Envoy, before"),
 }
 """Our arms: their names in the summary and in the printout."""
 
 
-def arm_names(compiled: bool) -> tuple[str, ...]:
-    return (*ARMS, COMPILED_ARM) if compiled else ARMS
+def arm_names(
+    compiled: bool, before: bool = False, wanted: Sequence[str] | None = None
+) -> tuple[str, ...]:
+    """The arms to run: all, or the `wanted` ones (with the floor and straight)."""
+    every = (*ARMS, *((COMPILED_ARM,) if compiled else ()), *((BEFORE_ARM,) if before else ()))
+    if wanted is None:
+        return every
+    unknown = sorted(set(wanted) - set(every))
+    if unknown:
+        raise SystemExit(f"unknown arms {unknown}; known: {list(every)}")
+    return tuple(arm for arm in every if arm in wanted or arm in REQUIRED_ARMS)
 
 
 def bench_policy(short: str, long_: str) -> str:
@@ -202,17 +218,19 @@ def stacks_of(
     workdir: Path,
     profile: str,
     tracker: Progress,
-    compiled_src: Path | None = None,
+    arms: Sequence[str],
+    sources: dict[str, Path],
 ) -> dict[str, Gateway]:
-    """The arms' stacks, all up at once (idle while another arm is measured)."""
+    """The arms' stacks, all up at once (idle while another arm is measured); `sources`: the
+    tree an arm's service runs from, when not this one."""
     stacks: dict[str, Gateway] = {}
-    for arm in arm_names(compiled_src is not None):
+    for arm in arms:
         tracker.note(f"[overhead] starting the {arm} stack ({profile})")
         child = arm.endswith("-child")
         where = workdir / f"{profile}-{arm}"
-        kind = "extproc" if arm in (COMPILED_ARM, "extproc-lua") else arm.removesuffix("-child")
-        env = tree_env(compiled_src) if compiled_src and arm == COMPILED_ARM else None
-        in_envoy = arm == "extproc-lua"
+        in_envoy = arm in ("extproc-lua", BEFORE_ARM)
+        kind = "extproc" if arm == COMPILED_ARM or in_envoy else arm.removesuffix("-child")
+        env = tree_env(sources[arm]) if arm in sources else None
         stack = exit_stack.enter_context(
             bench_stack(
                 where,
@@ -229,28 +247,41 @@ def stacks_of(
     return stacks
 
 
-def run(out: Path, quick: bool, workdir: Path, compiled_src: Path | None = None) -> dict[str, Any]:
+def run(
+    out: Path,
+    quick: bool,
+    workdir: Path,
+    compiled_src: Path | None = None,
+    before_src: Path | None = None,
+    wanted: Sequence[str] | None = None,
+) -> dict[str, Any]:
     levels = (8,) if quick else (8, 32)
     short_s, long_s = (3.0, 6.0) if quick else (6.0, 10.0)
     rounds = 1 if quick else 2
     loads = [(t, c, sec) for c in levels for t, sec in ((20, short_s), (500, long_s))]
     bound_loads = [(20, GATEWAY_BOUND_CLIENTS, 3.0 if quick else 8.0)]
+    sources: dict[str, Path] = {}
     if compiled_src is not None:
         check_compiled(compiled_src)
-    arms = len(arm_names(compiled_src is not None))
-    total = planned_seconds(loads, rounds, arms) + planned_seconds(bound_loads, rounds, arms)
+        sources[COMPILED_ARM] = compiled_src
+    if before_src is not None:
+        sources[BEFORE_ARM] = before_src
+    arms = arm_names(compiled_src is not None, before_src is not None, wanted)
+    total = planned_seconds(loads, rounds, len(arms)) + planned_seconds(
+        bound_loads, rounds, len(arms)
+    )
     tracker = Progress("overhead", total, unit="s of load")
     with contextlib.ExitStack() as exit_stack:
-        stacks = stacks_of(exit_stack, workdir, "a100-llama3-8b", tracker, compiled_src)
+        stacks = stacks_of(exit_stack, workdir, "a100-llama3-8b", tracker, arms, sources)
         runs, raw = interleaved(stacks, loads, rounds, "", tracker)
     with contextlib.ExitStack() as exit_stack:
-        stacks = stacks_of(exit_stack, workdir, GATEWAY_BOUND_PROFILE, tracker, compiled_src)
+        stacks = stacks_of(exit_stack, workdir, GATEWAY_BOUND_PROFILE, tracker, arms, sources)
         saturated, raw_saturated = interleaved(
             stacks, bound_loads, rounds, "gateway-bound ", tracker
         )
     report = compare(runs, levels)
     tracker.phase("in-process cost of our handlers (no gRPC)")
-    chunks = round(_find(runs, "extproc", 20, levels[0])["chunks_per_request"])
+    chunks = round(_find(runs, "noop", 20, levels[0])["chunks_per_request"])
     in_process = measure_in_process(2_000 if quick else 10_000, chunks)
     in_process_compiled = (
         None
@@ -432,8 +463,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="a folder holding the compiled build (scripts/build-compiled.sh): adds the arm "
         f"{COMPILED_ARM!r}, and the hot loop compiled",
     )
+    parser.add_argument(
+        "--before", metavar="REV",
+        help=f"adds the arm {BEFORE_ARM!r}: counting in Envoy with the service of revision REV",
+    )  # fmt: skip
+    parser.add_argument(
+        "--arms", help=f"comma-separated arms to run ({', '.join(REQUIRED_ARMS)} always run)"
+    )
 
 
 def main(args: argparse.Namespace) -> int:
-    run(args.out, args.quick, args.workdir or args.out / "stacks", args.compiled_src)
+    workdir = args.workdir or args.out / "stacks"
+    before = None if args.before is None else tree_of_rev(args.before, workdir / "before-src")
+    wanted = None if args.arms is None else [a.strip() for a in args.arms.split(",") if a.strip()]
+    run(args.out, args.quick, workdir, args.compiled_src, before, wanted)
     return 0
