@@ -64,6 +64,7 @@ from gateway_lab.bench.self_overload_arms import (
     compiled_arms,
     delta_arms,
     door_arms,
+    lua_arms,
     policy_text,
 )
 from gateway_lab.bench.stack import PROFILE, Gateway, engine_set, gateway_stack
@@ -501,7 +502,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--arms",
         help=f"comma-separated subset of {[a.name for a in ARMS]}, room-first-D and "
         "over-first-D for each D of --first-token-deltas, room-tail-D and over-tail-D for "
-        "each D of --tail-deltas",
+        "each D of --tail-deltas (each also as ...-lua, counting in Envoy)",
     )
     parser.add_argument(
         "--first-token-deltas", default=",".join(DEFAULT_FIRST_TOKEN_DELTAS),
@@ -552,7 +553,8 @@ def main(args: argparse.Namespace) -> int:
         work = replace(work, over_rate=args.over_rate)
     objectives = delta_arms(listed(args.first_token_deltas), listed(args.tail_deltas),
                             args.tail_quantile)  # fmt: skip
-    every = (*ARMS, *objectives, *door_arms([int(n) for n in listed(args.door_limits)]))
+    every = (*ARMS, *objectives, *lua_arms(objectives),
+             *door_arms([int(n) for n in listed(args.door_limits)]))  # fmt: skip
     if args.before:
         source = revisions.tree_of_rev(args.before, scenario.workdir_of(args) / "before-src")
         every = (*every, *before_arms(source, objectives))

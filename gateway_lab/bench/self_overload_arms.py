@@ -89,6 +89,13 @@ def delta_arms(
     )
 
 
+def lua_arms(objective_arms: Sequence[Arm]) -> tuple[Arm, ...]:
+    """`<name>-lua` for each of `objective_arms`: the same objective, counting in Envoy."""
+    return tuple(
+        replace(arm, name=f"{arm.name}-lua", count_in_envoy=True) for arm in objective_arms
+    )
+
+
 def door_arms(limits: Sequence[int]) -> tuple[Arm, ...]:
     """`room-door-N`: the room load, our policy with a static soft limit of N (headroom 8
     above it, the adaptive limit off)."""

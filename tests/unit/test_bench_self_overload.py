@@ -33,7 +33,7 @@ from gateway_lab.bench.self_overload import (
     policy_text,
     summarize,
 )
-from gateway_lab.bench.self_overload_arms import before_arms, door_arms
+from gateway_lab.bench.self_overload_arms import before_arms, door_arms, lua_arms
 from gateway_lab.bench.stack import cpu_seconds
 from gateway_lab.processes import envoy_binary
 
@@ -306,3 +306,10 @@ def test_each_named_process_is_charged_once(tmp_path: Path) -> None:
                     os.kill(pid, signal.SIGKILL)
         loadgen.kill()
         loadgen.wait(timeout=10)
+
+
+def test_lua_arms_count_in_envoy_with_the_same_objective() -> None:
+    objectives = delta_arms(["20ms"])
+    for arm, lua in zip(objectives, lua_arms(objectives), strict=True):
+        assert lua.name == f"{arm.name}-lua" and lua.count_in_envoy and not arm.count_in_envoy
+        assert (lua.load, lua.latency_delta, lua.front) == (arm.load, arm.latency_delta, "service")
