@@ -99,10 +99,11 @@ class _Connection(asyncio.Protocol):
         transport = self._transport
         while transport is not None and not transport.is_closing():
             end = buffer.find(b"\r\n\r\n")
-            if end < 0:
-                if len(buffer) > MAX_HEAD_BYTES:
-                    self._refuse(_Refused(431, "request head too large"))
+            if end > MAX_HEAD_BYTES or (end < 0 and len(buffer) > MAX_HEAD_BYTES):
+                self._refuse(_Refused(431, "request head too large"))
                 return
+            if end < 0:
+                return  # the head is still on its way
             try:
                 verb, request_id, length, close = self._head(bytes(buffer[:end]))
             except _Refused as refused:

@@ -118,6 +118,7 @@ async def test_a_malformed_count_or_unknown_event_is_refused_and_the_connection_
         (b"POST /output/r1 HTTP/1.1\r\nbroken\r\n\r\n", 400),
         (b"POST /output/r1\r\n\r\n", 400),
         (b"POST /output/r1 HTTP/1.1\r\nx: " + b"y" * MAX_HEAD_BYTES, 431),
+        (b"POST /output/r1 HTTP/1.1\r\nx: " + b"y" * MAX_HEAD_BYTES + b"\r\n\r\n", 431),
     ],
 )
 async def test_what_the_filter_never_sends_is_answered_and_closed(
