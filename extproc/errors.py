@@ -125,3 +125,15 @@ def overloaded(tenant: str, retry_after_s: int) -> GatewayError:
         Outcome.SHED.value,
         retry_after_s=retry_after_s,
     )
+
+
+def shutting_down(retry_after_s: int) -> GatewayError:
+    """The service is draining: the same answer as a request still queued when the drain began
+    (extproc.scheduler.core.Scheduler.reject_all_queued)."""
+    return GatewayError(
+        Outcome.UNAVAILABLE,
+        503,
+        "the gateway is shutting down; retry on another replica",
+        Outcome.UNAVAILABLE.value,
+        retry_after_s=retry_after_s,
+    )

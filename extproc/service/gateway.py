@@ -16,12 +16,12 @@ from collections.abc import Callable
 
 from extproc.admission import AdmissionController, Grant, rejection_error
 from extproc.endpoints import EndpointClass
-from extproc.errors import GatewayError, overloaded
+from extproc.errors import GatewayError, overloaded, shutting_down
 from extproc.estimation import TokenEstimator
 from extproc.metrics import Metrics
 from extproc.openai_request import PromptParts
 from extproc.policy import Policy
-from extproc.scheduler import Scheduler, Ticket
+from extproc.scheduler import Scheduler, Ticket, retry_after
 from extproc.service.engine_poller import EnginePoller
 from extproc.service.locality_feedback import LocalityFeedback
 from extproc.service.overload import LagMonitor, OverloadDetector
@@ -67,6 +67,9 @@ class Gateway:
         self.overload = overload
         """Is the service falling behind, and whom to shed (extproc.service.overload)."""
         self.lag_monitor = LagMonitor(overload, self._after_overload_sample, self._nothing_held)
+        self.closing = False
+        """Draining: every new request is answered 503 + Retry-After (`shutting_down`)."""
+        self.refused_closing = 0
 
     @property
     def policy(self) -> Policy:
@@ -151,6 +154,8 @@ class Gateway:
         return None if rejection is None else rejection_error(rejection)
 
     def submit(self, ticket: Ticket) -> asyncio.Future[Grant]:
+        if self.closing:
+            return self._refuse_closing()
         overload = self.overload
         overload.activity()  # an idle lag monitor samples at the short interval from now
         if overload.sheds(ticket.tenant):
@@ -175,6 +180,12 @@ class Gateway:
         turn: asyncio.Future[Grant] = asyncio.get_running_loop().create_future()
         turn.set_exception(overloaded(ticket.tenant, self.scheduler.shed_retry_after(ticket)))
         self._count_shed(ticket.tenant)
+        return turn
+
+    def _refuse_closing(self) -> asyncio.Future[Grant]:
+        turn: asyncio.Future[Grant] = asyncio.get_running_loop().create_future()
+        turn.set_exception(shutting_down(retry_after.DRAINING_S))
+        self.refused_closing += 1
         return turn
 
     def _nothing_held(self) -> bool:

@@ -378,7 +378,7 @@ class Service:
                 }
             },
         )
-        # New RPCs are refused from here on; running ones keep going for `grace` seconds.
+        gateway.closing = True  # a stream that reaches admission from now on gets 503
         loop = asyncio.get_running_loop()
         began = loop.time()
         # What the grace cuts is what is in flight when it runs out. Counted by a timer at
@@ -388,9 +388,14 @@ class Service:
         deadline = loop.call_at(
             began + grace, lambda: at_deadline.append(gateway.scheduler.inflight())
         )
-        stopping = asyncio.ensure_future(server.stop(grace))
         self.drained += drain_queued(gateway)
         forced_cut: int | None = None
+        if self.envoy_counts is not None:
+            forced_cut = await self._await_envoy_counted(began + grace)
+        # New RPCs are refused from here on; running ones keep going until the deadline.
+        stopping = asyncio.ensure_future(
+            server.stop(0.0 if forced_cut is not None else max(0.0, began + grace - loop.time()))
+        )
         while not stopping.done():
             if self.force_requested.is_set():
                 forced_cut = gateway.scheduler.inflight()
@@ -418,6 +423,7 @@ class Service:
             if self.force_requested.is_set():
                 forced_cut = gateway.scheduler.inflight()
         deadline.cancel()
+        self.drained += gateway.refused_closing
         if self.drained:
             self.metrics.drained_requests.inc(self.drained)
         cut = forced_cut if forced_cut is not None else sum(at_deadline)
@@ -426,6 +432,20 @@ class Service:
             log.warning("drain grace over; in-flight requests were cut", extra={"fields": fields})
         else:
             log.info("drained", extra={"fields": fields})
+
+    async def _await_envoy_counted(self, deadline: float) -> int | None:
+        """With counting in Envoy, wait until the requests in flight have ended (their ends
+        come on Envoy's access-log stream, which may not be open yet: the gRPC server keeps
+        taking streams meanwhile, and admission answers 503) or `deadline` passes. The
+        number still in flight if a second signal cut the wait, else None."""
+        gateway, loop = self.gateway, asyncio.get_running_loop()
+        assert gateway is not None
+        while not self._only_envoys_access_log_left() and loop.time() < deadline:
+            if self.force_requested.is_set():
+                return gateway.scheduler.inflight()
+            await asyncio.sleep(_DRAIN_POLL_S)
+            self.drained += drain_queued(gateway)
+        return None
 
     def _only_envoys_access_log_left(self) -> bool:
         counts, gateway = self.envoy_counts, self.gateway

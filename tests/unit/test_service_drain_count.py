@@ -30,6 +30,8 @@ class _Scheduler:
 @dataclass
 class _Gateway:
     scheduler: _Scheduler
+    closing: bool = False
+    refused_closing: int = 0
 
     def drain_queued(self, retry_after_s: int) -> int:
         return 0
