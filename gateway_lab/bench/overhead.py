@@ -23,6 +23,7 @@ from extproc.policy import hash_key
 from gateway_lab.bench.cores import tree_cpu_seconds
 from gateway_lab.bench.figures import pyplot, save_figure
 from gateway_lab.bench.loadgen import Load, closed_loop, summarize
+from gateway_lab.bench.noisy_isolation import listed
 from gateway_lab.bench.records import Meter, Record, Spec, percentile
 from gateway_lab.bench.revisions import check_compiled, tree_env, tree_of_rev
 from gateway_lab.bench.stack import Gateway, bench_stack
@@ -475,6 +476,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def main(args: argparse.Namespace) -> int:
     workdir = args.workdir or args.out / "stacks"
     before = None if args.before is None else tree_of_rev(args.before, workdir / "before-src")
-    wanted = None if args.arms is None else [a.strip() for a in args.arms.split(",") if a.strip()]
+    wanted = None if args.arms is None else listed(args.arms)
     run(args.out, args.quick, workdir, args.compiled_src, before, wanted)
     return 0
