@@ -37,15 +37,18 @@ def add_arguments(parser: argparse.ArgumentParser, default_policy: str) -> None:
     parser.add_argument("--grpc", default="127.0.0.1:50051", help="ext_proc gRPC address")
     parser.add_argument("--envoy-admin", default="127.0.0.1:9901")
     parser.add_argument(
-        "--accounting-grpc", metavar="ADDRESS|off",
-        help="account responses in a child process on this address (serve --accounting-grpc); "
-        "default: with one worker, the --grpc port + 1 (the next free port if that one is "
-        "taken); with --workers N, and with 'off', in the service's own process",
+        "--count-in-envoy", metavar="ADDRESS|off",
+        help="Envoy counts response tokens (Lua) and tells the service's events listener on "
+        "this address (serve --envoy-events). Default with one worker: the --grpc port + 1 "
+        "(the next free port if that one is taken); 'off': the accounting filter instead "
+        "(see --accounting-grpc)",
     )  # fmt: skip
     parser.add_argument(
-        "--count-in-envoy", metavar="ADDRESS",
-        help="Envoy counts response tokens (Lua) and tells the service's events listener on "
-        "this address (serve --envoy-events); replaces the accounting filter and its process",
+        "--accounting-grpc", metavar="ADDRESS|off",
+        help="Envoy relays response chunks to the accounting filter instead of counting them: "
+        "served by a child process on this address (serve --accounting-grpc), or with 'off' "
+        "in the service's own process. Default: counting in Envoy with one worker, in "
+        "process with --workers N",
     )  # fmt: skip
     parser.add_argument("--profile", default="a100-llama3-8b", help="emulated engine profile")
     parser.add_argument(
@@ -118,6 +121,10 @@ class StackConfig:
 
     @classmethod
     def from_args(cls, args: argparse.Namespace, workdir: Path) -> StackConfig:
+        counting = response_counting(
+            getattr(args, "accounting_grpc", None), getattr(args, "count_in_envoy", None),
+            args.grpc, getattr(args, "workers", 1),
+        )  # fmt: skip
         return cls(
             policy_path=args.policy, workdir=workdir, listen=args.listen, grpc=args.grpc,
             admin=args.admin, envoy_admin=args.envoy_admin, profile=args.profile,
@@ -127,26 +134,46 @@ class StackConfig:
             workers=getattr(args, "workers", 1),
             worker_ports=getattr(args, "worker_ports", "distinct"),
             allow_unshared_workers=getattr(args, "allow_unshared_workers", False),
-            accounting=None if getattr(args, "count_in_envoy", None) else accounting_address(
-                getattr(args, "accounting_grpc", None), args.grpc, getattr(args, "workers", 1)
-            ),
-            envoy_events=getattr(args, "count_in_envoy", None),
+            accounting=counting.accounting,
+            envoy_events=counting.envoy_events,
         )  # fmt: skip
 
 
-ACCOUNTING_OFF = "off"
+OFF = "off"
 
 
-def accounting_address(requested: str | None, grpc: str, workers: int) -> str | None:
-    """Where `up` has the service account responses: a child process on `requested`, or by
-    default (None) on the port after `grpc`'s when it is free (else one the kernel picks), so
-    the accounting filter's chunk messages never delay the messages Envoy waits on
-    (docs/deploy.md, "Accounting in a process of its own"). None, in the service's own process:
-    with several workers (the child is refused there) and with `off`."""
-    if requested is not None:
-        return None if requested == ACCOUNTING_OFF else requested
-    if workers > 1:
-        return None
+@dataclass(frozen=True)
+class ResponseCounting:
+    """Where `up` counts response tokens: in Envoy, telling the service's events listener on
+    `envoy_events`; or through the accounting filter, served by a child process on
+    `accounting`; or, both None, through the accounting filter on the service's own port."""
+
+    accounting: str | None = None
+    envoy_events: str | None = None
+
+
+def response_counting(
+    accounting_requested: str | None, count_requested: str | None, grpc: str, workers: int
+) -> ResponseCounting:
+    """The layout the flags ask for. Neither given: with one worker, Envoy counts and tells the
+    events listener on the port after `grpc`'s when it is free (else one the kernel picks),
+    the layout with the least CPU per request (docs/deploy.md, "Counting in Envoy"); with
+    several workers, in process (both other layouts are refused there). Raises ValueError when
+    both ask for an address."""
+    if accounting_requested is not None:
+        if count_requested not in (None, OFF):
+            raise ValueError("--count-in-envoy and --accounting-grpc exclude each other")
+        address = None if accounting_requested == OFF else accounting_requested
+        return ResponseCounting(accounting=address)
+    if count_requested == OFF:
+        return ResponseCounting(accounting=_next_free(grpc) if workers <= 1 else None)
+    if count_requested is not None:
+        return ResponseCounting(envoy_events=count_requested)
+    return ResponseCounting(envoy_events=_next_free(grpc) if workers <= 1 else None)
+
+
+def _next_free(grpc: str) -> str:
+    """The address after `grpc`'s port when it is free now, else one the kernel picks."""
     from extproc.service.workers import bracketed
 
     host, port = split_host_port(grpc)
@@ -163,7 +190,7 @@ def _free_port(host: str, wanted: int) -> int:
             except OSError:
                 continue
             return int(probe.getsockname()[1])
-    raise RuntimeError(f"no free port on {host} for the accounting process")
+    raise RuntimeError(f"no free port on {host} for the service's counting listener")
 
 
 def build_stack(config: StackConfig, policy: Policy) -> Stack:
@@ -215,6 +242,14 @@ def build_stack(config: StackConfig, policy: Policy) -> Stack:
     return stack
 
 
+def counting_said(config: StackConfig) -> str:
+    if config.envoy_events:
+        return f"Envoy counts response tokens and tells the service on {config.envoy_events}"
+    if config.accounting:
+        return f"responses are accounted in a child process on {config.accounting}"
+    return "responses are accounted in the service's process"
+
+
 def _say(message: str) -> None:
     print(message, flush=True)
 
@@ -237,10 +272,17 @@ def run_up(args: argparse.Namespace) -> int:
     from extproc.service.workers import check_accounting, check_envoy_events
 
     requested = getattr(args, "accounting_grpc", None)
+    counted = getattr(args, "count_in_envoy", None)
     workers = getattr(args, "workers", 1)
-    refused = check_accounting(
-        workers, "" if requested in (None, ACCOUNTING_OFF) else requested
-    ) or check_envoy_events(workers, getattr(args, "count_in_envoy", None) or "")
+    refused = (
+        check_accounting(workers, "" if requested in (None, OFF) else requested)
+        or check_envoy_events(workers, "" if counted in (None, OFF) else counted)
+        or (
+            "--count-in-envoy and --accounting-grpc exclude each other"
+            if requested is not None and counted not in (None, OFF)
+            else None
+        )
+    )
     if refused is not None:
         print(f"extproc up: {refused}", file=sys.stderr)
         return 2
@@ -279,8 +321,7 @@ def run_up(args: argparse.Namespace) -> int:
         wait_ready(config, policy, stack, abort=lambda: stopping)
         print(f"ready: send OpenAI requests to http://{args.listen}", flush=True)
         print(f"       admin: http://{args.admin}/v1/tenants  metrics: http://{args.admin}/metrics")
-        where = f"in a child process on {config.accounting}" if config.accounting else "in process"
-        print(f"       responses are accounted {where}", flush=True)
+        print(f"       {counting_said(config)}", flush=True)
         if args.demo:
             from gateway_lab.demo import run_demo
 

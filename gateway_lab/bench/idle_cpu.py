@@ -3,7 +3,7 @@
 Arms, started at the same time and measured over the same window (side by side, so the
 machine's other load falls on all of them alike): the service with the overload monitor on
 (the default policy), the same with `gateway.overload.enabled: false`, the service with its
-accounting child process (`--accounting-grpc`, as `extproc up` and the deploy files run it),
+accounting child process (`--accounting-grpc`, as the Kubernetes and mesh files run it),
 and with `--before REV_OR_PATH` an older tree's service with its monitor on, alone and with its
 accounting child. No request is sent; each service's user + system CPU time, its child's
 included, is read from /proc at the start and the end of the window, after every arm is ready.

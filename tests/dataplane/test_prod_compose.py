@@ -122,7 +122,7 @@ def listen_ports(name: str, service: dict[str, Any]) -> set[int]:
     """Ports the service's process listens on, read from its command line."""
     command = command_of(service)
     ports = set()
-    for flag in ("--grpc", "--accounting-grpc", "--admin"):
+    for flag in ("--grpc", "--accounting-grpc", "--envoy-events", "--admin"):
         value = flag_value(command, flag)
         if value:
             ports.add(port_of(value))

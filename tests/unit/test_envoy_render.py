@@ -27,7 +27,7 @@ REPO = Path(__file__).resolve().parents[2]
 COMPOSE_OPTIONS = RenderOptions(
     listen="0.0.0.0:8080",
     extproc="extproc:50051",
-    accounting="extproc:50052",
+    envoy_events="extproc:50053",
     pool_endpoints={"short": ["engine-short:8000"], "long": ["engine-long:8000"]},
 )
 
