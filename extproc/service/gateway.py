@@ -67,6 +67,7 @@ class Gateway:
         self.overload = overload
         """Is the service falling behind, and whom to shed (extproc.service.overload)."""
         self.lag_monitor = LagMonitor(overload, self._after_overload_sample, self._nothing_held)
+        self._accounting_sides: tuple[Callable[[float], float], ...] = ()
         self.closing = False
         """Draining: every new request is answered 503 + Retry-After (`shutting_down`)."""
         self.refused_closing = 0
@@ -110,8 +111,13 @@ class Gateway:
     def accounting_runs_behind_by(self, behind: Callable[[float], float]) -> None:
         """The accounting side reports how far behind it is (a child process running the
         accounting streams, or counting in Envoy's late attach calls): a forwarded request's
-        capacity waits that much longer for its attach."""
-        self._settlement.accounting_behind = behind
+        capacity waits that much longer for its attach. Both at once (a service taking the
+        accounting filter and Envoy's counting calls, while Envoys move from one layout to the
+        other): the one further behind counts."""
+        sides = self._accounting_sides = (*self._accounting_sides, behind)
+        self._settlement.accounting_behind = (
+            behind if len(sides) == 1 else lambda forwarded_at: max(s(forwarded_at) for s in sides)
+        )
 
     def track_engines(self, policy: Policy) -> None:
         ledger = self.ledger

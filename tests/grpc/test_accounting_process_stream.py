@@ -298,3 +298,19 @@ def _first_token_seen(served: ServeProcess) -> bool:
         line.startswith("extproc_ttft_seconds_count") and not line.endswith(" 0.0")
         for line in body.decode().splitlines()
     )
+
+
+async def test_with_two_accounting_sides_the_one_further_behind_holds_the_slot(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """A service taking the accounting filter's streams and Envoy's counting calls at once (while
+    Envoys move from one layout to the other): a side that is not behind, registered last,
+    does not hide one that is."""
+    monkeypatch.setattr(request_record, "ATTACH_GRACE_S", 0.05)
+    gateway = compose(policy_from_text(policy_yaml(short_inflight=1)))
+    gateway.accounting_runs_behind_by(lambda forwarded_at: 30.0)
+    gateway.accounting_runs_behind_by(lambda forwarded_at: 0.0)
+    async with served_stub(gateway) as admission:
+        first, _ = await _forward(admission, "globex", _chat())
+        assert await asyncio.wait_for(first.call.code(), 5) == grpc.StatusCode.OK
+        await asyncio.sleep(0.5)  # ten graces: the span the slot must stay taken, not a wait
+        assert gateway.scheduler.snapshot()["pools"]["short"]["inflight"] == 1
+        await first.close()
