@@ -60,10 +60,12 @@ class VllmGateway:
 
 @contextlib.contextmanager
 def running_vllm_gateway(
-    workdir: Path, make_policy: Callable[[str, str], str]
+    workdir: Path, make_policy: Callable[[str, str], str], count_in_envoy: bool = False
 ) -> Iterator[VllmGateway]:
-    """`make_policy(short_endpoint, long_endpoint)` returns the policy text to run with."""
-    policy, config = loopback_config(workdir, make_policy)
+    """`make_policy(short_endpoint, long_endpoint)` returns the policy text to run with;
+    `count_in_envoy`: Envoy counts the responses (`extproc up`'s default layout) instead of
+    the accounting filter in the service's process."""
+    policy, config = loopback_config(workdir, make_policy, count_in_envoy=count_in_envoy)
     python = vllm_python()
     model = build_model(python, default_cache_dir(), progress=_progress)
     emulated = build_stack(config, policy)

@@ -254,6 +254,12 @@ async def test_over_budget_tenant_gets_429_and_never_reaches_an_engine(gateway: 
 
 
 async def test_counted_tokens_equal_vllm_usage(gateway: Any) -> None:
+    await counted_tokens_equal_vllm_usage(gateway)
+
+
+async def counted_tokens_equal_vllm_usage(gateway: Any) -> None:
+    """Plain and streamed requests of two tenants: each tenant's counted tokens equal the usage
+    vLLM reported, and all of them the engines' own counters."""
     plan: list[tuple[str, str, bool]] = []  # tenant, kind, long prompt
     for tenant in ("acme", "globex"):
         for kind in ("plain", "stream_usage", "stream_plain"):
@@ -327,6 +333,10 @@ async def gateway_view(session: aiohttp.ClientSession, gateway: Any) -> dict[str
 
 
 async def test_abandoned_streams_are_corrected_to_vllm_counters(gateway: Any) -> None:
+    await abandoned_streams_are_corrected_to_vllm_counters(gateway)
+
+
+async def abandoned_streams_are_corrected_to_vllm_counters(gateway: Any) -> None:
     """Streams the client drops get no usage chunk; the gateway's count is corrected from
     vLLM's own prompt and generation counters, so it matches them exactly."""
     engines_named = {url.removeprefix("http://") for url in gateway.engines.values()}
