@@ -140,6 +140,7 @@ class StackConfig:
 
 
 OFF = "off"
+BOTH_ADDRESSES = "--count-in-envoy and --accounting-grpc exclude each other"
 
 
 @dataclass(frozen=True)
@@ -162,7 +163,7 @@ def response_counting(
     both ask for an address."""
     if accounting_requested is not None:
         if count_requested not in (None, OFF):
-            raise ValueError("--count-in-envoy and --accounting-grpc exclude each other")
+            raise ValueError(BOTH_ADDRESSES)
         address = None if accounting_requested == OFF else accounting_requested
         return ResponseCounting(accounting=address)
     if count_requested == OFF:
@@ -277,11 +278,7 @@ def run_up(args: argparse.Namespace) -> int:
     refused = (
         check_accounting(workers, "" if requested in (None, OFF) else requested)
         or check_envoy_events(workers, "" if counted in (None, OFF) else counted)
-        or (
-            "--count-in-envoy and --accounting-grpc exclude each other"
-            if requested is not None and counted not in (None, OFF)
-            else None
-        )
+        or (BOTH_ADDRESSES if requested is not None and counted not in (None, OFF) else None)
     )
     if refused is not None:
         print(f"extproc up: {refused}", file=sys.stderr)

@@ -183,16 +183,12 @@ class Gateway:
     # -- the service falling behind (extproc.service.overload) -------------------------------
 
     def _shed_new(self, ticket: Ticket) -> asyncio.Future[Grant]:
-        turn: asyncio.Future[Grant] = asyncio.get_running_loop().create_future()
-        turn.set_exception(overloaded(ticket.tenant, self.scheduler.shed_retry_after(ticket)))
         self._count_shed(ticket.tenant)
-        return turn
+        return _refused(overloaded(ticket.tenant, self.scheduler.shed_retry_after(ticket)))
 
     def _refuse_closing(self) -> asyncio.Future[Grant]:
-        turn: asyncio.Future[Grant] = asyncio.get_running_loop().create_future()
-        turn.set_exception(shutting_down(retry_after.DRAINING_S))
         self.refused_closing += 1
-        return turn
+        return _refused(shutting_down(retry_after.DRAINING_S))
 
     def _nothing_held(self) -> bool:
         """Nothing queued, admitted or accounted here: the lag monitor may sample slowly."""
@@ -285,3 +281,10 @@ class Gateway:
             }
         )
         return view
+
+
+def _refused(error: GatewayError) -> asyncio.Future[Grant]:
+    """A turn that is already answered with `error` (the request never queues)."""
+    turn: asyncio.Future[Grant] = asyncio.get_running_loop().create_future()
+    turn.set_exception(error)
+    return turn
