@@ -25,6 +25,7 @@ extproc.sse counts. The service side is extproc.service.envoy_counts.
 
 from __future__ import annotations
 
+import re
 from datetime import timedelta
 
 from envoy_data_plane.envoy.config.accesslog.v3 import AccessLog
@@ -54,7 +55,7 @@ EVERY = 16
 """Chunks between two `/output` calls: about half the Envoy CPU of a call per chunk
 (docs/benchmarks.md)."""
 
-COUNTING_SCRIPT = (
+_SCRIPT = (
     r"""
 local EVENTS = "__CLUSTER__"
 local NS = "__NS__"
@@ -132,11 +133,23 @@ function envoy_on_response(handle)
     end
   end
 end
-""".replace("__CLUSTER__", EVENTS_CLUSTER)
-    .replace("__NS__", METADATA_NAMESPACE)
+""".replace("__NS__", METADATA_NAMESPACE)
     .replace("__EVERY__", str(EVERY))
     .replace("__ID_HEADER__", GATEWAY_REQUEST_ID_HEADER)
 )
+_CLUSTER_NAME = re.compile(r"[A-Za-z0-9_.|:/-]+")
+
+
+def counting_script(events_cluster: str = EVENTS_CLUSTER) -> str:
+    """The script, posting its calls to `events_cluster`: the rendered `extproc_events`, or the
+    cluster a mesh made for the service's events port (Istio's
+    `outbound|50053||extproc.llm-gateway.svc.cluster.local`)."""
+    if not _CLUSTER_NAME.fullmatch(events_cluster):
+        raise ValueError(f"not a cluster name for the counting script: {events_cluster!r}")
+    return _SCRIPT.replace("__CLUSTER__", events_cluster).lstrip("\n")
+
+
+COUNTING_SCRIPT = counting_script()
 """Notes on the script, each a trap found in the real Envoy (tests/dataplane):
 the count is stored after every chunk, since a client that leaves mid-stream ends the script
 where it stands; the metadata handle is taken afresh per chunk (one kept across the script's
@@ -144,12 +157,13 @@ yields stores nothing); `carry` keeps the previous chunk's tail, so usage split 
 chunks is still found. Only request ids of the gateway's own alphabet go into a path."""
 
 
-def counting_filter() -> HttpFilter:
+def counting_filter(events_cluster: str = EVENTS_CLUSTER) -> HttpFilter:
     """The Lua filter, placed after the admission filter (it reads the request id the
     admission set) and before the router. On every route: a request without the id (the
     header-mutation filter removes client copies) costs one header lookup."""
     config = Lua(
-        default_source_code=DataSource(inline_string=COUNTING_SCRIPT), stat_prefix="counting"
+        default_source_code=DataSource(inline_string=counting_script(events_cluster)),
+        stat_prefix="counting",
     )
     return HttpFilter(name=COUNTING_FILTER, typed_config=AnyProto.pack(config))
 
@@ -177,5 +191,6 @@ __all__ = [
     "EVERY",
     "METADATA_NAMESPACE",
     "counting_filter",
+    "counting_script",
     "counts_access_log",
 ]

@@ -98,9 +98,9 @@ def configmap_policy() -> Policy:
     return policy_from_text(configmap["data"][key], f"configmap:{key}")
 
 
-def rendered(policy: Policy) -> dict[str, Any]:
+def rendered(policy: Policy, options: RenderOptions | None = None) -> dict[str, Any]:
     """The bootstrap `extproc envoy render` produces for `policy` (proto JSON, camelCase)."""
-    data: dict[str, Any] = build_bootstrap(policy, RenderOptions()).to_dict()
+    data: dict[str, Any] = build_bootstrap(policy, options or RenderOptions()).to_dict()
     return data
 
 

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import contextlib
+import json
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from extproc.policy import Policy, hash_key, load_policy
 from gateway_lab.processes import Stack
@@ -85,12 +87,17 @@ def running_gateway(
     profile: str = "fast",
     accounting_process: bool = False,
     count_in_envoy: bool = False,
+    envoy_bootstrap: Callable[[dict[str, Any], StackConfig], dict[str, Any]] | None = None,
 ) -> Iterator[RunningGateway]:
-    """`make_policy(short_endpoint, long_endpoint)` returns the policy text to run with."""
+    """`make_policy(short_endpoint, long_endpoint)` returns the policy text to run with;
+    `envoy_bootstrap(rendered, config)` changes Envoy's rendered bootstrap before it starts."""
     policy, config = loopback_config(
         workdir, make_policy, profile, accounting_process, count_in_envoy
     )
     stack = build_stack(config, policy)
+    if envoy_bootstrap is not None:
+        path = workdir / "envoy.json"
+        path.write_text(json.dumps(envoy_bootstrap(json.loads(path.read_text()), config)))
     ACTIVE_STACKS.append(stack)
     try:
         for child in stack.children:

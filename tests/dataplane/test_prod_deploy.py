@@ -4,24 +4,35 @@ modes, observability mode, timeouts, limits); their Envoy snippets pass `envoy -
 
 from __future__ import annotations
 
-import copy
 import json
 from pathlib import Path
 from typing import Any
 
 import pytest
+from envoy.config.cluster.v3 import cluster_pb2
+from envoy.extensions.access_loggers.grpc.v3 import als_pb2
 from envoy.extensions.filters.http.header_mutation.v3 import header_mutation_pb2
 from envoy.extensions.filters.network.http_connection_manager.v3 import (
     http_connection_manager_pb2 as hcm_pb2,
 )
+from envoy.extensions.upstreams.http.v3 import (  # noqa: F401 (registers the type for Any)
+    http_protocol_options_pb2,
+)
 from google.protobuf import json_format
 
 from extproc.cli import build_parser
+from extproc.envoy_config import EXTPROC_CLUSTER, RenderOptions
+from extproc.envoy_lua import (
+    COUNTING_FILTER,
+    COUNTING_SCRIPT,
+    EVENTS_CLUSTER,
+    counting_script,
+    counts_access_log,
+)
 from extproc.openai_request import INFERENCE_PATHS
-from extproc.policy import parse_policy
+from extproc.policy import Policy, parse_policy
 from extproc.types import POOL_HEADER
 from tests.deploy_files import (
-    ACCOUNTING_FILTER,
     ADMISSION_FILTER,
     DEPLOY,
     configmap_policy,
@@ -33,6 +44,15 @@ from tests.deploy_files import (
     rendered_filter,
     rendered_manager,
     validate_envoy,
+)
+from tests.mesh_bootstraps import (
+    COUNTS_CLUSTER,
+    SERVICE_HOST,
+    envoy_gateway_bootstrap,
+    envoy_gateway_operations,
+    istio_bootstrap,
+    istio_cluster,
+    istio_patches,
 )
 
 NAMESPACE = "llm-gateway"
@@ -66,9 +86,33 @@ def service_fqdn() -> tuple[str, int]:
     return f"{service['metadata']['name']}.{namespace}.svc.cluster.local", service_port("grpc")
 
 
-def accounting_port() -> int:
-    """The Service's port for the accounting filter: the service's accounting process."""
-    return service_port("grpc-accounting")
+def events_port() -> int:
+    """The Service's port for the counting filter's calls: the service's events listener."""
+    return service_port("http-events")
+
+
+def rendered_counting(policy: Policy) -> dict[str, Any]:
+    """The render in the layout the mesh files use: Envoy counts (`--count-in-envoy`)."""
+    fqdn, _ = service_fqdn()
+    return rendered(policy, RenderOptions(envoy_events=f"{fqdn}:{events_port()}"))
+
+
+def access_log(
+    entry: dict[str, Any], *, keep_service: bool = False
+) -> tuple[str, als_pb2.HttpGrpcAccessLogConfig]:
+    """An access log's name and HttpGrpcAccessLogConfig from proto JSON (either spelling);
+    without its gRPC target unless asked, as `ext_proc` does."""
+    typed = entry.get("typed_config") or entry["typedConfig"]
+    config = json_format.ParseDict(
+        {k: v for k, v in typed.items() if k != "@type"}, als_pb2.HttpGrpcAccessLogConfig()
+    )
+    if not keep_service:
+        config.common_config.ClearField("grpc_service")
+    return entry["name"], config
+
+
+def cluster_proto(config: dict[str, Any]) -> cluster_pb2.Cluster:
+    return json_format.ParseDict(config, cluster_pb2.Cluster())
 
 
 def duration_s(text: str) -> float:
@@ -115,8 +159,9 @@ def test_deployment_ports_probes_and_service_agree() -> None:
     assert args.command == "serve"
     ports = {p["name"]: p["containerPort"] for p in main["ports"]}
     assert ports["grpc"] == port_of(args.grpc) and ports["admin"] == port_of(args.admin)
-    # The accounting filter's streams go to the accounting child process, on its own port.
-    assert ports["grpc-accounting"] == port_of(args.accounting_grpc) != ports["grpc"]
+    # Envoy counts; its calls come to the events listener, on its own port.
+    assert ports["http-events"] == port_of(args.envoy_events) != ports["grpc"]
+    assert not args.accounting_grpc  # both would count every request twice
     for probe, path in (("livenessProbe", "/healthz"), ("startupProbe", "/healthz"),
                         ("readinessProbe", "/readyz")):  # fmt: skip
         get = main[probe]["httpGet"]
@@ -127,9 +172,9 @@ def test_deployment_ports_probes_and_service_agree() -> None:
     by_name = {p["name"]: p for p in service["spec"]["ports"]}
     assert by_name["grpc"]["targetPort"] == "grpc" and by_name["grpc"]["port"] == ports["grpc"]
     assert by_name["grpc"]["appProtocol"] == "grpc"  # Istio: HTTP/2 to the service
-    accounting = by_name["grpc-accounting"]
-    assert accounting["targetPort"] == "grpc-accounting" and accounting["appProtocol"] == "grpc"
-    assert accounting["port"] == ports["grpc-accounting"]
+    events = by_name["http-events"]  # Istio: HTTP/1.1, as the events listener speaks
+    assert events["targetPort"] == "http-events" and events["appProtocol"] == "http"
+    assert events["port"] == ports["http-events"]
     assert by_name["http-admin"]["targetPort"] == "admin"
     annotations = find("kubernetes", "Deployment", "extproc")["spec"]["template"]["metadata"][
         "annotations"
@@ -167,16 +212,15 @@ def header_mutation(config: dict[str, Any]) -> header_mutation_pb2.HeaderMutatio
     return json_format.ParseDict(body, header_mutation_pb2.HeaderMutation())
 
 
-def test_istio_envoyfilter_inserts_both_filters_like_the_render() -> None:
+def test_istio_envoyfilter_inserts_the_filters_and_the_access_log_like_the_render() -> None:
     policy = configmap_policy()
-    bootstrap = rendered(policy)
-    envoy_filter = find("istio", "EnvoyFilter")
-    patches = envoy_filter["spec"]["configPatches"]
+    bootstrap = rendered_counting(policy)
+    patches = istio_patches()
     http_filters = [p for p in patches if p["applyTo"] == "HTTP_FILTER"]
     assert [p["patch"]["value"]["name"] for p in http_filters] == [
         _HEADER_MUTATION,
         ADMISSION_FILTER,
-        ACCOUNTING_FILTER,
+        COUNTING_FILTER,
     ]
     # The header-mutation filter as the render has it (owned headers stripped; the admission
     # stream's response headers added from its dynamic metadata).
@@ -185,26 +229,32 @@ def test_istio_envoyfilter_inserts_both_filters_like_the_render() -> None:
         rendered_filter(bootstrap, _HEADER_MUTATION)
     )
     fqdn, grpc_port = service_fqdn()
+    assert fqdn == SERVICE_HOST
     for patch in http_filters[1:]:
         assert patch["match"]["context"] == "GATEWAY"
         chain = patch["match"]["listener"]["filterChain"]["filter"]
         assert chain["name"] == _MANAGER and chain["subFilter"]["name"] == _ROUTER
         assert patch["patch"]["operation"] == "INSERT_BEFORE"
-        value = patch["patch"]["value"]
-        config = value["typed_config"]
-        expected = rendered_filter(bootstrap, value["name"])
-        assert config["@type"] == expected["@type"]
-        assert ext_proc(config) == ext_proc(expected), value["name"]
-        cluster = config["grpc_service"]["envoy_grpc"]["cluster_name"]
-        port = accounting_port() if value["name"] == ACCOUNTING_FILTER else grpc_port
-        assert cluster == f"outbound|{port}||{fqdn}"
-    accounting = http_filters[2]["patch"]["value"]["typed_config"]
-    assert accounting["observability_mode"] is True
+    admission = http_filters[1]["patch"]["value"]["typed_config"]
+    assert ext_proc(admission) == ext_proc(rendered_filter(bootstrap, ADMISSION_FILTER))
+    assert admission["grpc_service"]["envoy_grpc"]["cluster_name"] == istio_cluster(grpc_port)
+    # The render's script, calling the cluster Istio makes for the Service's events port.
+    counting = http_filters[2]["patch"]["value"]["typed_config"]
+    expected = rendered_filter(bootstrap, COUNTING_FILTER)
+    assert counting["@type"] == expected["@type"]
+    assert counting["stat_prefix"] == expected["statPrefix"]
+    assert counting["default_source_code"]["inline_string"] == counting_script(
+        istio_cluster(events_port())
+    )
     manager = rendered_manager(bootstrap)
     merged = next(p for p in patches if p["applyTo"] == "NETWORK_FILTER")["patch"]["value"]
     typed = merged["typed_config"]
     assert duration_s(typed["stream_idle_timeout"]) == duration_s(manager["streamIdleTimeout"])
     assert duration_s(typed["request_timeout"]) == duration_s(manager["requestTimeout"])
+    # The render's access log of each stream's end, to the admission port's Istio cluster.
+    (log,) = typed["access_log"]
+    expected_log = counts_access_log(istio_cluster(grpc_port)).to_dict()
+    assert access_log(log, keep_service=True) == access_log(expected_log, keep_service=True)
     listener = next(p for p in patches if p["applyTo"] == "LISTENER")["patch"]["value"]
     expected_limit = bootstrap["staticResources"]["listeners"][0]["perConnectionBufferLimitBytes"]
     assert listener["per_connection_buffer_limit_bytes"] == expected_limit
@@ -288,29 +338,53 @@ def test_envoy_gateway_extension_policy_matches_the_render() -> None:
     assert breaker["maxPendingRequests"] >= limits["maxPendingRequests"]
 
 
-def test_envoy_gateway_patch_adds_the_accounting_filter_like_the_render() -> None:
+def test_envoy_gateway_patch_adds_the_counting_filter_log_and_cluster_like_the_render() -> None:
     policy = configmap_policy()
-    bootstrap = rendered(policy)
+    bootstrap = rendered_counting(policy)
     patch = find("envoy-gateway", "EnvoyPatchPolicy")
     gateway = find("envoy-gateway", "Gateway", "llm-gateway")
     listener_name = gateway["spec"]["listeners"][0]["name"]
     expected_name = (
         f"{gateway['metadata']['namespace']}/{gateway['metadata']['name']}/{listener_name}"
     )
-    operations = patch["spec"]["jsonPatches"]
-    assert {p["name"] for p in operations} == {expected_name}
-    values = {p["operation"].get("path", "").rsplit("/", 1)[-1]: p["operation"] for p in operations}
+    entries = patch["spec"]["jsonPatches"]
+    listener_entries = [p for p in entries if p["type"].endswith("listener.v3.Listener")]
+    assert {p["name"] for p in listener_entries} == {expected_name}
+    operations = envoy_gateway_operations()
+    values = {p.get("path", "").rsplit("/", 1)[-1]: p for p in operations}
     idle = values["stream_idle_timeout"]["value"]
     assert duration_s(idle) == duration_s(rendered_manager(bootstrap)["streamIdleTimeout"])
-    appended = [p["operation"]["value"] for p in operations if p["operation"]["op"] == "add"
-                and p["operation"]["path"].endswith("/http_filters/-")]  # fmt: skip
-    assert [f["name"] for f in appended] == [ACCOUNTING_FILTER, _ROUTER]  # router stays last
-    accounting = appended[0]["typed_config"]
-    assert ext_proc(accounting) == ext_proc(rendered_filter(bootstrap, ACCOUNTING_FILTER))
-    fqdn, _ = service_fqdn()
-    assert accounting["grpc_service"]["google_grpc"]["target_uri"] == f"{fqdn}:{accounting_port()}"
-    removed = next(p["operation"] for p in operations if p["operation"]["op"] == "remove")
+    appended = [p["value"] for p in operations if p["op"] == "add"
+                and p["path"].endswith("/http_filters/-")]  # fmt: skip
+    assert [f["name"] for f in appended] == [COUNTING_FILTER, _ROUTER]  # router stays last
+    counting = appended[0]["typed_config"]
+    assert counting["default_source_code"]["inline_string"] == COUNTING_SCRIPT
+    assert counting["stat_prefix"] == rendered_filter(bootstrap, COUNTING_FILTER)["statPrefix"]
+    removed = next(p for p in operations if p["op"] == "remove")
     assert _ROUTER in removed["jsonPath"]
+    # The access log: the render's, through a cluster of its own to the admission port.
+    (log,) = [p["value"] for p in operations if p.get("path", "").endswith("/access_log/-")]
+    expected_log = counts_access_log(COUNTS_CLUSTER).to_dict()
+    assert access_log(log, keep_service=True) == access_log(expected_log, keep_service=True)
+    # The two clusters, added whole (an empty path), as the render has them for the Service's
+    # name: the events cluster, and the ext_proc cluster under the access log's name.
+    added = {p["operation"]["value"]["name"]: p for p in entries if p["type"].endswith("Cluster")}
+    assert added.keys() == {EVENTS_CLUSTER, COUNTS_CLUSTER}
+    fqdn, grpc_port = service_fqdn()
+    render = rendered(
+        policy, RenderOptions(extproc=f"{fqdn}:{grpc_port}", envoy_events=f"{fqdn}:{events_port()}")
+    )
+    for name, rendered_name in {
+        EVENTS_CLUSTER: EVENTS_CLUSTER,
+        COUNTS_CLUSTER: EXTPROC_CLUSTER,
+    }.items():
+        entry = added[name]
+        assert entry["name"] == name and entry["operation"]["path"] == ""
+        expected = next(
+            c for c in render["staticResources"]["clusters"] if c["name"] == rendered_name
+        )
+        expected["name"] = expected["loadAssignment"]["clusterName"] = name
+        assert cluster_proto(entry["operation"]["value"]) == cluster_proto(expected), name
     traffic = find("envoy-gateway", "ClientTrafficPolicy")
     limit = traffic["spec"]["connection"]["bufferLimit"]
     assert limit.endswith("Mi") and int(limit[:-2]) << 20 == policy.source.gateway.max_body_bytes
@@ -334,33 +408,12 @@ def test_envoy_gateway_routes_each_pool_header_to_its_service() -> None:
 
 
 @pytest.mark.dataplane
-def test_deploy_filter_snippets_pass_envoy_validate(tmp_path: Path) -> None:
-    """The Istio and Envoy Gateway filter configs are valid Envoy 1.40 protos: put them into
-    the rendered bootstrap in place of its own filters and let Envoy check the result."""
-    bootstrap = rendered(configmap_policy())
-    patches = find("istio", "EnvoyFilter")["spec"]["configPatches"]
-    istio_filters = [
-        copy.deepcopy(p["patch"]["value"]) for p in patches if p["applyTo"] == "HTTP_FILTER"
-    ]
-    eg_ops = find("envoy-gateway", "EnvoyPatchPolicy")["spec"]["jsonPatches"]
-    appended = [
-        p["operation"]["value"]
-        for p in eg_ops
-        if p["operation"]["op"] == "add" and isinstance(p["operation"].get("value"), dict)
-    ]
-    eg_accounting = copy.deepcopy(next(v for v in appended if v["name"] == ACCOUNTING_FILTER))
-    eg_accounting["name"] = "eg.accounting"
-    manager = rendered_manager(bootstrap)
-    router = manager["httpFilters"][-1]
-    manager["httpFilters"] = [*istio_filters, eg_accounting, router]
-    network = next(p for p in patches if p["applyTo"] == "NETWORK_FILTER")["patch"]["value"]
-    manager["streamIdleTimeout"] = network["typed_config"]["stream_idle_timeout"]
-    clusters = bootstrap["staticResources"]["clusters"]
-    extproc_cluster = clusters[0]
-    for name in {f["typed_config"]["grpc_service"]["envoy_grpc"]["cluster_name"]
-                 for f in istio_filters if "grpc_service" in f["typed_config"]}:  # fmt: skip
-        cluster = copy.deepcopy(extproc_cluster)
-        cluster["name"] = cluster["loadAssignment"]["clusterName"] = name
-        clusters.append(cluster)
-    result = validate_envoy(bootstrap, tmp_path)
+@pytest.mark.parametrize("mesh", ["istio", "envoy-gateway"])
+def test_deploy_filter_snippets_pass_envoy_validate(mesh: str, tmp_path: Path) -> None:
+    """The Istio and Envoy Gateway pieces are valid Envoy 1.40 protos: applied to the rendered
+    bootstrap as the mesh applies them (tests/mesh_bootstraps.py), Envoy checks the result.
+    tests/dataplane/test_mesh_counting.py runs them."""
+    bootstrap = rendered_counting(configmap_policy())
+    applied = istio_bootstrap(bootstrap) if mesh == "istio" else envoy_gateway_bootstrap(bootstrap)
+    result = validate_envoy(applied, tmp_path)
     assert result.returncode == 0, result.stdout + result.stderr

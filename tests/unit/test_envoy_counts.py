@@ -8,7 +8,13 @@ from dataclasses import dataclass, field
 import pytest
 from envoy.data.accesslog.v3.accesslog_pb2 import HTTPAccessLogEntry
 
-from extproc.envoy_lua import COUNTING_SCRIPT, EVENTS_CLUSTER, EVERY, METADATA_NAMESPACE
+from extproc.envoy_lua import (
+    COUNTING_SCRIPT,
+    EVENTS_CLUSTER,
+    EVERY,
+    METADATA_NAMESPACE,
+    counting_script,
+)
 from extproc.service.envoy_counts import LOST_AFTER_S, EnvoyCounts, count_and_gap, end_of
 from extproc.sse import Usage
 
@@ -171,3 +177,13 @@ def test_the_script_calls_its_cluster_with_the_named_constants() -> None:
     assert f'local EVENTS = "{EVENTS_CLUSTER}"' in COUNTING_SCRIPT
     assert f"local EVERY = {EVERY}" in COUNTING_SCRIPT
     assert "__" not in COUNTING_SCRIPT  # every placeholder filled
+
+
+def test_the_script_calls_the_cluster_it_is_given_and_refuses_a_name_that_would_break_it() -> None:
+    istio = "outbound|50053||extproc.llm-gateway.svc.cluster.local"
+    script = counting_script(istio)
+    assert script.startswith(f'local EVENTS = "{istio}"\n')  # no blank first line in YAML
+    assert script.replace(istio, EVENTS_CLUSTER) == COUNTING_SCRIPT
+    for name in ('a"b', "a\\b", "a b", "", 'x"; os.exit() --'):
+        with pytest.raises(ValueError, match="not a cluster name"):
+            counting_script(name)
