@@ -44,6 +44,17 @@ class ExtProc:
 
 
 @dataclass(frozen=True)
+class GrpcLog:
+    """A gRPC access log (`envoy.access_loggers.http_grpc`): with counting in Envoy, each
+    response's end and count reach the service on it."""
+
+    line: int
+    buffer_size: Setting[int] | None
+    """`common_config.buffer_size_bytes`; None: Envoy's default, 16 KiB (entries wait up to
+    `buffer_flush_interval`, 1 s by default)."""
+
+
+@dataclass(frozen=True)
 class HttpFilter:
     name: str
     line: int
@@ -129,3 +140,6 @@ class View:
     """The file holds the cluster definitions (a bootstrap's static_resources)."""
     implied_cluster: Cluster | None = None
     """A cluster the platform creates from the file's settings (Envoy Gateway's backend)."""
+    grpc_logs: list[GrpcLog] | None = None
+    """The connection manager's gRPC access logs; None when the file does not show its access
+    logs (a patch that leaves them alone)."""

@@ -18,6 +18,7 @@ from extproc.envoy_lua import COUNTING_FILTER
 from extproc.envoy_routes import ACCOUNTING_FILTER, ADMISSION_FILTER
 from extproc.policy import Policy, policy_from_text
 from tests.conftest import policy_yaml
+from tests.serve_support import REPO
 from tests.unit.test_envoy_lint import PENDING_CHECKS
 
 POLICIES = {
@@ -119,3 +120,53 @@ def test_counting_in_envoy_passes_the_lint_and_both_counters_do_not(tmp_path: Pa
     early.write_text(json.dumps(config, indent=2))
     errors = [f for f in lint_file(str(early), reference(policy)) if f.severity == "error"]
     assert any("comes before" in f.message for f in errors), errors
+
+
+def test_counting_without_an_unbuffered_grpc_access_log_fails_the_lint(tmp_path: Path) -> None:
+    """The end of each counted response comes on the gRPC access log: without it, or with
+    Envoy's buffering, capacity comes back late or never."""
+    policy = policy_from_text(policy_yaml())
+    config = json.loads(render_bootstrap(policy, RenderOptions(envoy_events="127.0.0.1:50060")))
+    manager = config["staticResources"]["listeners"][0]["filterChains"][0]["filters"][0]
+    logs = manager["typedConfig"]["accessLog"]
+    grpc_log = next(log for log in logs if log["name"] == "envoy.access_loggers.http_grpc")
+    common = grpc_log["typedConfig"]["commonConfig"]
+
+    def counting_log_findings(name: str) -> list[tuple[str, str, str]]:
+        path = tmp_path / name
+        path.write_text(json.dumps(config, indent=2))
+        found = lint_file(str(path), reference(policy))
+        lines = path.read_text().splitlines()
+        return [
+            (f.severity, lines[f.line - 1].strip(), f.message)
+            for f in found
+            if f.check == "counting-log"
+        ]
+
+    assert counting_log_findings("rendered.json") == []
+    common["bufferSizeBytes"] = 16384
+    ((severity, line, message),) = counting_log_findings("buffered.json")
+    assert (severity, line) == ("error", '"bufferSizeBytes": 16384')
+    assert "16384 bytes" in message
+    del common["bufferSizeBytes"]  # Envoy's default buffers too
+    ((severity, _, message),) = counting_log_findings("default.json")
+    assert severity == "error" and "16 KiB by default" in message
+    logs.remove(grpc_log)
+    ((severity, line, message),) = counting_log_findings("no-log.json")
+    assert (severity, line) == ("error", f'"name": "{COUNTING_FILTER}",')
+    assert "holds its capacity" in message
+
+
+def test_an_istio_merge_without_access_logs_leaves_the_counting_log_to_a_note(
+    tmp_path: Path,
+) -> None:
+    text = (REPO / "deploy/istio/envoyfilter.yaml").read_text()
+    start = text.index("            access_log:\n")
+    end = text.index("    # The admission filter buffers", start)
+    path = tmp_path / "envoyfilter.yaml"
+    path.write_text(text[:start] + text[end:])
+    policy = policy_from_text(policy_yaml())
+    findings = [f for f in lint_file(str(path), reference(policy)) if f.check == "counting-log"]
+    assert [f.severity for f in findings] == ["note"]
+    shipped = lint_file(str(REPO / "deploy/istio/envoyfilter.yaml"), reference(policy))
+    assert [f for f in shipped if f.check == "counting-log"] == []

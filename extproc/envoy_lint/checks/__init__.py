@@ -4,7 +4,15 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from extproc.envoy_lint.checks import cluster, filters, listener, paths, routes, timeouts
+from extproc.envoy_lint.checks import (
+    cluster,
+    counting,
+    filters,
+    listener,
+    paths,
+    routes,
+    timeouts,
+)
 from extproc.envoy_lint.findings import Issue
 from extproc.envoy_lint.model import View
 from extproc.envoy_lint.reference import Reference
@@ -22,6 +30,7 @@ CHECKS: dict[str, Check] = {
     "failure-mode": filters.check_failure_mode,
     "body-limit": listener.check_body_limit,
     "path-normalisation": paths.check_path_normalisation,
+    "counting-log": counting.check_counting_log,
 }
 ROUTE_CACHE = "route-cache"
 """The check that reads the whole file rather than a view (routes.check_route_cache)."""

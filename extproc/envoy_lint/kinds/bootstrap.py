@@ -53,6 +53,7 @@ def _view(listener: Node, config: Node, clusters: dict[str, Cluster], cds: bool)
         buffer_limit_shown=True,
         listener_line=listener.line,
         routes=envoy_api.routes(route_config) if route_config is not None else None,
+        grpc_logs=envoy_api.grpc_logs(config.get("access_log")),
         clusters=clusters,
         # With CDS, a cluster missing here may come from the management server.
         clusters_shown=not cds,

@@ -2,7 +2,16 @@
 
 from __future__ import annotations
 
-from extproc.envoy_lint.model import Cluster, ExtProc, HttpFilter, Manager, Role, Route, Setting
+from extproc.envoy_lint.model import (
+    Cluster,
+    ExtProc,
+    GrpcLog,
+    HttpFilter,
+    Manager,
+    Role,
+    Route,
+    Setting,
+)
 from extproc.envoy_lint.source import Node, snake_case
 from extproc.envoy_lint.values import flag, integer, seconds
 from extproc.service.roles import ACCOUNTING_ROLE, ROLE_METADATA
@@ -12,6 +21,8 @@ EXT_PROC_TYPE = "envoy.extensions.filters.http.ext_proc.v3.ExternalProcessor"
 HCM_TYPE = "envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager"
 HCM_NAME = "envoy.filters.network.http_connection_manager"
 HTTP_OPTIONS_KEY = "envoy.extensions.upstreams.http.v3.HttpProtocolOptions"
+GRPC_LOG_TYPE = "envoy.extensions.access_loggers.grpc.v3.HttpGrpcAccessLogConfig"
+GRPC_LOG_NAME = "envoy.access_loggers.http_grpc"
 
 
 def type_url(config: Node | None) -> str:
@@ -80,6 +91,25 @@ def ext_proc(name: str, line: int, config: Node) -> ExtProc:
         role_metadata=metadata,
         cluster=name_setting(cluster),
     )
+
+
+def grpc_log(entry: Node) -> GrpcLog | None:
+    """An access_log entry, if it is a gRPC (HTTP) access log."""
+    name, config = entry.get("name"), entry.get("typed_config")
+    if not type_url(config).endswith(GRPC_LOG_TYPE) and (
+        name is None or name.value != GRPC_LOG_NAME
+    ):
+        return None
+    size = config.at("common_config", "buffer_size_bytes") if config is not None else None
+    if size is not None and size.get("value") is not None:  # the wrapper spelled out
+        size = size.get("value")
+    number = integer(size) if size is not None else None
+    return GrpcLog(entry.line, Setting(number, size.line) if size and number is not None else None)
+
+
+def grpc_logs(access_log: Node | None) -> list[GrpcLog]:
+    entries = access_log.items() if access_log is not None else []
+    return [log for log in (grpc_log(e) for e in entries) if log is not None]
 
 
 def name_setting(node: Node | None) -> Setting[str] | None:

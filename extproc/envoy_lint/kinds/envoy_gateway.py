@@ -146,6 +146,9 @@ class _Patches:
                 self.chain.append(entry)
             else:
                 self.chain = None
+        elif "access_log" in segments and value.is_map:
+            found = envoy_api.grpc_log(value)
+            self.result.grpc_logs = (self.result.grpc_logs or []) + ([found] if found else [])
         elif segments[-1] in _MANAGER_FIELDS:
             self.fields[segments[-1]] = value
         elif segments[-1] == "per_connection_buffer_limit_bytes":

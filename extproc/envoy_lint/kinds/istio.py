@@ -61,6 +61,9 @@ def view(documents: list[tuple[str, Node]]) -> View:
                 config = value.get("typed_config")
                 if config is not None and envoy_api.type_url(config).endswith(envoy_api.HCM_TYPE):
                     result.manager = envoy_api.manager(config)
+                    logs = config.get("access_log")
+                    if logs is not None:  # MERGE appends them to the gateway's own
+                        result.grpc_logs = (result.grpc_logs or []) + envoy_api.grpc_logs(logs)
             elif target == "LISTENER" and op == "MERGE":
                 limit = value.get("per_connection_buffer_limit_bytes")
                 number = integer(limit) if limit is not None else None
