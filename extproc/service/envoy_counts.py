@@ -14,7 +14,9 @@ The three calls and the log travel on different connections, so they may arrive 
 counts are cumulative (a late, smaller one charges nothing), the end settles whether or not an
 attach came first, and a call after the end finds no request. A request whose end never comes
 (its access log lost with Envoy) is settled with what it was told after `LOST_AFTER_S` of
-silence, so its capacity does not leak.
+silence, so its capacity does not leak; sooner, `UNSURE_AFTER_S` after its last call, when it
+passed its first token while no access-log stream was open to this process, so its end may
+have gone to another one.
 """
 
 from __future__ import annotations
@@ -40,19 +42,29 @@ log = logging.getLogger("extproc.envoy_counts")
 LOST_AFTER_S = 600.0
 """Silence after which an attached request whose end never came is settled: longer than any
 response may stay without a chunk (`EVERY` chunks between two calls)."""
+UNSURE_AFTER_S = 30.0
+"""Silence after which a request attached while no access-log stream was open here, and past
+its first token, is settled. Envoy keeps each access-log stream with the process it first
+reached: in a rolling update the old pod keeps them through its drain while the new pod
+admits, so the new pod's ends go to the old one, which knows nothing of them. Output calls
+come every `EVERY` chunks, so this much silence after the first token means the response is
+over (or its engine stalled that long); before the first token a request may wait in the
+engine's queue, and keeps `LOST_AFTER_S`."""
 SWEEP_INTERVAL_S = 30.0
 MAX_COUNT = 10_000_000
 MAX_EVENT_BYTES = 64
 
 
 class _Open:
-    __slots__ = ("charged", "first_seen", "heard_at", "lease")
+    __slots__ = ("charged", "end_unsure", "first_seen", "heard_at", "lease")
 
-    def __init__(self, lease: AccountedLease, now: float) -> None:
+    def __init__(self, lease: AccountedLease, now: float, end_unsure: bool) -> None:
         self.lease = lease
         self.charged = 0
         self.first_seen = False
         self.heard_at = now
+        self.end_unsure = end_unsure
+        """No access-log stream was open here when it attached (`UNSURE_AFTER_S`)."""
 
 
 class EnvoyCounts:
@@ -72,6 +84,8 @@ class EnvoyCounts:
         self._attach_delay_s = 0.0
         """From the forward to the attach call, for the last request this process admitted."""
         self._open: dict[str, _Open] = {}
+        self._log_streams = 0
+        """Access-log streams open to this process now."""
 
     def behind_s(self, forwarded_at: float | None = None) -> float:
         """How late attach calls come now (`Settlement.accounting_behind`): the last one's
@@ -85,6 +99,12 @@ class EnvoyCounts:
     @property
     def open_requests(self) -> int:
         return len(self._open)
+
+    def log_stream_opened(self) -> None:
+        self._log_streams += 1
+
+    def log_stream_closed(self) -> None:
+        self._log_streams = max(0, self._log_streams - 1)
 
     def attach(self, request_id: str) -> None:
         self._entry(request_id)
@@ -115,9 +135,16 @@ class EnvoyCounts:
         lease.settle(usage, seen)
 
     def settle_silent(self) -> int:
-        """Settle, with what they were told, the requests silent for `LOST_AFTER_S`."""
-        cutoff = self._clock() - LOST_AFTER_S
-        lost = [rid for rid, entry in self._open.items() if entry.heard_at < cutoff]
+        """Settle, with what they were told, the requests silent for `LOST_AFTER_S`, or for
+        `UNSURE_AFTER_S` past their first token when their end may have gone elsewhere."""
+        now = self._clock()
+        cutoff, unsure_cutoff = now - LOST_AFTER_S, now - UNSURE_AFTER_S
+        lost = [
+            rid
+            for rid, entry in self._open.items()
+            if entry.heard_at < cutoff
+            or (entry.end_unsure and entry.first_seen and entry.heard_at < unsure_cutoff)
+        ]
         for request_id in lost:
             entry = self._open.pop(request_id)
             log.warning("no end came for request %s: settled with its count", request_id)
@@ -134,7 +161,7 @@ class EnvoyCounts:
             now = self._clock()
             if forwarded is not None:
                 self._attach_delay_s = max(0.0, now - forwarded)
-            entry = self._open[request_id] = _Open(lease, now)
+            entry = self._open[request_id] = _Open(lease, now, self._log_streams == 0)
         else:
             entry.heard_at = self._clock()
         return entry
@@ -269,15 +296,19 @@ class AccessLogSink(als_pb2_grpc.AccessLogServiceServicer):  # type: ignore[misc
         context: grpc.aio.ServicerContext[StreamAccessLogsMessage, StreamAccessLogsResponse],
     ) -> StreamAccessLogsResponse:
         del context
-        async for message in request_iterator:
-            for entry in message.http_logs.log_entry:
-                end = end_of(entry)
-                if end is None:
-                    continue
-                try:
-                    self.counts.ended(*end)
-                except Exception:
-                    log.exception("settling request %s failed", end[0])
+        self.counts.log_stream_opened()
+        try:
+            async for message in request_iterator:
+                for entry in message.http_logs.log_entry:
+                    end = end_of(entry)
+                    if end is None:
+                        continue
+                    try:
+                        self.counts.ended(*end)
+                    except Exception:
+                        log.exception("settling request %s failed", end[0])
+        finally:
+            self.counts.log_stream_closed()
         return StreamAccessLogsResponse()
 
 

@@ -3,10 +3,13 @@ in any order, cumulative counts, the silent settled, access-log entries read."""
 
 from __future__ import annotations
 
+import asyncio
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 import pytest
 from envoy.data.accesslog.v3.accesslog_pb2 import HTTPAccessLogEntry
+from envoy.service.accesslog.v3.als_pb2 import StreamAccessLogsMessage
 
 from extproc.envoy_lua import (
     COUNTING_SCRIPT,
@@ -15,7 +18,14 @@ from extproc.envoy_lua import (
     METADATA_NAMESPACE,
     counting_script,
 )
-from extproc.service.envoy_counts import LOST_AFTER_S, EnvoyCounts, count_and_gap, end_of
+from extproc.service.envoy_counts import (
+    LOST_AFTER_S,
+    UNSURE_AFTER_S,
+    AccessLogSink,
+    EnvoyCounts,
+    count_and_gap,
+    end_of,
+)
 from extproc.sse import Usage
 
 
@@ -108,6 +118,7 @@ def test_an_end_without_calls_settles_and_a_status_of_zero_is_no_response() -> N
 def test_a_request_whose_end_never_comes_is_settled_after_the_silence() -> None:
     port, clock = Port("quiet", "talking"), Clock()
     counts = EnvoyCounts(port, clock)
+    counts.log_stream_opened()  # Envoy's access log is open here, as in steady state
     counts.first("quiet", 3)
     counts.attach("talking")
     clock.now += LOST_AFTER_S - 1
@@ -117,6 +128,50 @@ def test_a_request_whose_end_never_comes_is_settled_after_the_silence() -> None:
     assert counts.settle_silent() == 1
     assert port.leases["quiet"].calls[-1] == ("settle", None, 3)
     assert counts.open_requests == 1
+
+
+def test_without_an_access_log_stream_a_request_past_its_first_token_settles_sooner() -> None:
+    """In a rolling update Envoy's access-log stream stays with the old pod while the new one
+    admits: the new pod's ends go there. What it attached then is settled after a short
+    silence past its first token, not after ten minutes of held capacity."""
+    port, clock = Port("streaming", "waiting", "talking"), Clock()
+    counts = EnvoyCounts(port, clock)
+    counts.first("streaming", 16)
+    counts.attach("waiting")  # no first token yet: it may sit in the engine's queue
+    counts.first("talking", 1)
+    clock.now += UNSURE_AFTER_S - 1
+    counts.output("talking", 16)
+    assert counts.settle_silent() == 0
+    clock.now += 2
+    assert counts.settle_silent() == 1
+    assert port.leases["streaming"].calls[-1] == ("settle", None, 16)
+    assert counts.open_requests == 2
+    clock.now += LOST_AFTER_S
+    assert counts.settle_silent() == 2
+
+
+async def test_requests_attached_while_an_access_log_stream_is_open_keep_the_long_silence() -> None:
+    port, clock = Port("during", "after"), Clock()
+    counts = EnvoyCounts(port, clock)
+    sink = AccessLogSink(counts)
+    opened, release = asyncio.Event(), asyncio.Event()
+
+    async def messages() -> AsyncIterator[StreamAccessLogsMessage]:
+        opened.set()
+        await release.wait()
+        for message in ():
+            yield message
+
+    stream = asyncio.create_task(sink.StreamAccessLogs(messages(), None))
+    await opened.wait()
+    counts.first("during", 1)  # Envoy's stream is open here: its end will come on it
+    release.set()
+    await stream
+    counts.first("after", 1)  # the stream has closed
+    clock.now += UNSURE_AFTER_S + 1
+    assert counts.settle_silent() == 1
+    assert port.leases["after"].calls[-1] == ("settle", None, 1)
+    assert port.leases["during"].calls == [("first", 100.0), ("charge", 1)]
 
 
 def test_a_calls_longest_gap_goes_with_its_charge_and_bodies_are_checked() -> None:

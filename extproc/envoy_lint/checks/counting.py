@@ -6,7 +6,7 @@ from extproc.envoy_lint.findings import Issue, error, missing, note
 from extproc.envoy_lint.model import View
 from extproc.envoy_lint.reference import Reference
 from extproc.envoy_lua import ACCESS_LOG_NAME, COUNTING_FILTER
-from extproc.service.envoy_counts import LOST_AFTER_S
+from extproc.service.envoy_counts import LOST_AFTER_S, UNSURE_AFTER_S
 
 _LOG = "envoy.access_loggers.http_grpc"
 _FIX = (
@@ -36,8 +36,9 @@ def check_counting_log(view: View, _: Reference) -> list[Issue]:
                 view.complete,
                 line,
                 f"{COUNTING_FILTER} without a gRPC access log: no response's end reaches the "
-                "service, so each request holds its capacity until it is settled as lost, "
-                f"{LOST_AFTER_S / 60:.0f} minutes after the last call",
+                "service, so each request holds its capacity until it is settled as lost "
+                f"({UNSURE_AFTER_S:.0f} s after its last call once past its first token, else "
+                f"{LOST_AFTER_S / 60:.0f} minutes), with the count it was last told",
                 _FIX,
             )
         ]
