@@ -278,10 +278,10 @@ class AdmissionController:
         self.scheduler.charge_output(grant.lease_id, tokens, largest_gap)
         self.gate.charged(grant.lease_id, tokens)
 
-    def first_token(self, grant: Grant) -> None:
-        """The request's first token passed: its prompt is no longer being prefilled, which
-        may let a paced backlogged request go."""
-        if self.scheduler.first_token(grant.lease_id):
+    def first_token(self, grant: Grant, ago: float = 0.0) -> None:
+        """The request's first token passed (`ago` seconds before now): its prompt is no
+        longer being prefilled, which may let a paced backlogged request go."""
+        if self.scheduler.first_token(grant.lease_id, ago):
             self.pump()
 
     def hand_off(self, grant: Grant, still_ours: Callable[[], bool]) -> bool:

@@ -14,7 +14,9 @@ Envoy instead"). Here Envoy counts the chunks itself and tells the service only 
   charges as the output passes; the inter-token gaps the δ objectives watch);
 * the end, however it ends (a client that leaves mid-stream included): the access-log entry
   Envoy sends the service's gRPC access-log sink, with the count and the engine's usage the
-  script stored in the stream's dynamic metadata (namespace `gw`) after every chunk.
+  script stored in the stream's dynamic metadata (namespace `gw`) after every chunk, and when
+  the first chunk passed (Envoy's clock, µs), for a response whose end overtakes its `/first`
+  call.
 
 The calls are asynchronous: Envoy does not wait for their answers, and a lost call costs a
 charge's timing, never a count (the end carries the final one). The count is the engine's own
@@ -126,6 +128,8 @@ function envoy_on_response(handle)
       chunks = chunks + 1
       if chunks == 1 then
         post(handle, "/first/" .. id, tostring(count))
+        local first_us = handle:timestampString(EnvoyTimestampResolution.MICROSECOND)
+        metadata:set(NS, "first_us", tonumber(first_us))
       elseif chunks % EVERY == 0 then
         post(handle, "/output/" .. id, string.format("%d %d", count, largest))
         largest = 0

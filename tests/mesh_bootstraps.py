@@ -14,11 +14,12 @@ from __future__ import annotations
 
 import copy
 import re
+from pathlib import Path
 from typing import Any
 
 from extproc.envoy_config import EXTPROC_CLUSTER
-from extproc.envoy_lua import COUNTING_FILTER, EVENTS_CLUSTER
-from tests.deploy_files import find, port_of, rendered_manager
+from extproc.envoy_lua import COUNTING_FILTER, EVENTS_CLUSTER, counting_script
+from tests.deploy_files import DEPLOY, find, port_of, rendered_manager
 
 SERVICE_HOST = "extproc.llm-gateway.svc.cluster.local"
 GRPC_ACCESS_LOG = "envoy.access_loggers.http_grpc"
@@ -126,13 +127,54 @@ def envoy_gateway_bootstrap(
     return result
 
 
+_SCRIPT_INDENT = " " * 16
+
+
+def embed_counting_scripts() -> list[Path]:
+    """Rewrite the counting script inlined in the Istio and Envoy Gateway files with the one
+    extproc/envoy_lua.py makes now (each with its cluster); returns the files changed.
+    Run `python -m tests.mesh_bootstraps` after changing the script."""
+    changed = []
+    for path, cluster in (
+        (DEPLOY / "istio" / "envoyfilter.yaml", istio_cluster(50053)),
+        (DEPLOY / "envoy-gateway" / "envoypatchpolicy.yaml", EVENTS_CLUSTER),
+    ):
+        text = path.read_text()
+        head = text.index("              inline_string: |\n") + len(
+            "              inline_string: |\n"
+        )
+        end = head
+        lines = text[head:].split("\n")
+        for line in lines:
+            if line and not line.startswith(_SCRIPT_INDENT):
+                break
+            end += len(line) + 1
+        body = "".join(
+            (_SCRIPT_INDENT + line if line else "") + "\n"
+            for line in counting_script(cluster).rstrip("\n").split("\n")
+        )
+        # Keep the blank lines that separated the script from what follows.
+        trailing = text[head:end][len(text[head:end].rstrip("\n")) + 1 :]
+        new = text[:head] + body + trailing + text[end:]
+        if new != text:
+            path.write_text(new)
+            changed.append(path)
+    return changed
+
+
 __all__ = [
     "COUNTS_CLUSTER",
     "SERVICE_HOST",
     "camel",
+    "embed_counting_scripts",
     "envoy_gateway_bootstrap",
     "envoy_gateway_operations",
     "istio_bootstrap",
     "istio_cluster",
     "istio_patches",
 ]
+
+
+if __name__ == "__main__":
+    for changed in embed_counting_scripts():
+        print(f"rewrote the counting script in {changed}")

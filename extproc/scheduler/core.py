@@ -447,14 +447,15 @@ class Scheduler:
         self._leases.charge_output(held, tokens, self.clock.now(), largest_gap)
         return True
 
-    def first_token(self, lease_id: int) -> bool:
-        """The admitted request's first token (or first response byte) passed: its prompt is
-        no longer being prefilled (prefill pacing) and its TTFT is a δ sample. Idempotent;
-        a chunk of output tokens implies it. Call `dispatch()` afterwards."""
+    def first_token(self, lease_id: int, ago: float = 0.0) -> bool:
+        """The admitted request's first token (or first response byte) passed, `ago` seconds
+        before now (it is told late when its end overtook the call): its prompt is no longer
+        being prefilled (prefill pacing) and its TTFT is a δ sample. Idempotent; a chunk of
+        output tokens implies it. Call `dispatch()` afterwards."""
         held = self._live.leases.get(lease_id)
         if held is None:
             return False
-        self._leases.first_token(held, self.clock.now())
+        self._leases.first_token(held, self.clock.now() - max(0.0, ago))
         return True
 
     def release(

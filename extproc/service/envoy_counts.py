@@ -25,9 +25,10 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
+from typing import NamedTuple
 
 import grpc
-from envoy.data.accesslog.v3.accesslog_pb2 import HTTPAccessLogEntry
+from envoy.data.accesslog.v3.accesslog_pb2 import AccessLogCommon, HTTPAccessLogEntry
 from envoy.service.accesslog.v3 import als_pb2_grpc
 from envoy.service.accesslog.v3.als_pb2 import StreamAccessLogsMessage, StreamAccessLogsResponse
 from google.protobuf.struct_pb2 import Struct
@@ -124,14 +125,25 @@ class EnvoyCounts:
             self._charge(entry, output, None if not largest_gap_us else largest_gap_us / 1e6)
 
     def ended(
-        self, request_id: str, status: int, upstream: str | None, usage: Usage | None, seen: int
+        self,
+        request_id: str,
+        status: int,
+        upstream: str | None,
+        usage: Usage | None,
+        seen: int,
+        first_ago: float | None = None,
     ) -> None:
+        """The stream's end. `first_ago`: how long before it the first chunk passed (Envoy's
+        clock), the first token's time when the `/first` call has not come (it may still be
+        on its way: a response short enough for its end to overtake it)."""
         entry = self._open.pop(request_id, None)
         lease = entry.lease if entry is not None else self._port.attach(request_id)
         if lease is None:
             return
         if status:
             lease.response_started(status, upstream)
+        if first_ago is not None and (entry is None or not entry.first_seen):
+            lease.first_byte(self._clock() - first_ago)
         lease.settle(usage, seen)
 
     def settle_silent(self) -> int:
@@ -257,9 +269,40 @@ def _whole(fields: Struct, key: str) -> int | None:
     return int(number) if 0 <= number <= MAX_COUNT else None
 
 
-def end_of(entry: HTTPAccessLogEntry) -> tuple[str, int, str | None, Usage | None, int] | None:
-    """(request id, status, upstream, usage, output seen) of one access-log entry, or None
-    for a stream the script did not follow."""
+class End(NamedTuple):
+    """What an access-log entry says of its request's end (`EnvoyCounts.ended`'s arguments)."""
+
+    request_id: str
+    status: int
+    upstream: str | None
+    usage: Usage | None
+    seen: int
+    first_ago: float | None
+    """Seconds from the first chunk to the end of the stream (Envoy's clock), if one passed."""
+
+
+def _first_ago(common: AccessLogCommon, fields: Struct) -> float | None:
+    value = fields.fields.get("first_us")
+    if value is None or value.WhichOneof("kind") != "number_value":
+        return None
+    # The stream's duration; an Envoy that does not report it: its last byte to the client.
+    length = next(
+        (getattr(common, name) for name in ("duration", "time_to_last_downstream_tx_byte")
+         if common.HasField(name)),
+        None,
+    )  # fmt: skip
+    if not common.HasField("start_time") or length is None:
+        return None
+    start = common.start_time.seconds * 1_000_000 + common.start_time.nanos // 1000
+    end = start + length.seconds * 1_000_000 + length.nanos // 1000
+    if not start <= value.number_value <= end:
+        return None  # not a time of this stream
+    return float(end - value.number_value) / 1e6
+
+
+def end_of(entry: HTTPAccessLogEntry) -> End | None:
+    """What one access-log entry says of its request's end, or None for a stream the script
+    did not follow."""
     common = entry.common_properties
     fields = common.metadata.filter_metadata.get(METADATA_NAMESPACE)
     if fields is None:
@@ -281,7 +324,10 @@ def end_of(entry: HTTPAccessLogEntry) -> tuple[str, int, str | None, Usage | Non
             prompt, completion, total if total is not None else prompt + completion,
             _whole(fields, "cached"),
         )  # fmt: skip
-    return request_id.string_value, status, upstream, usage, _whole(fields, "tokens") or 0
+    return End(
+        request_id.string_value, status, upstream, usage, _whole(fields, "tokens") or 0,
+        _first_ago(common, fields),
+    )  # fmt: skip
 
 
 class AccessLogSink(als_pb2_grpc.AccessLogServiceServicer):  # type: ignore[misc]

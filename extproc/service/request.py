@@ -356,7 +356,9 @@ class LocalLease:
             metrics = self._settlement.metrics
             metrics.ttft_of(request.tenant, request.pool).observe(at - request.started)
         if request.grant is not None and not request.released:
-            self._settlement.admission.first_token(request.grant)
+            # `at` is this host's monotonic clock, as every caller's is
+            ago = max(0.0, time.monotonic() - at)
+            self._settlement.admission.first_token(request.grant, ago)
 
     def charge_output(self, tokens: int, largest_gap: float | None = None) -> None:
         # Called once per chunk (or batch of chunks) that carries output tokens (tokens > 0).

@@ -257,6 +257,31 @@ async def test_clients_gone_before_the_response_are_counted_exactly(
     ] * 4, entries
 
 
+async def test_every_short_response_in_a_burst_gives_a_first_token(
+    gateway: RunningGateway,
+) -> None:
+    """A response of one or two chunks ends right after its first: with counting in Envoy its
+    end can overtake the `/first` call, and then carries the first chunk's time itself."""
+    headers = {"authorization": f"Bearer {TEST_KEYS['acme']}"}
+    url = gateway.base_url + "/v1/chat/completions"
+    ttft = ("extproc_ttft_seconds_count", ("pool", "short"), ("tenant", "acme"))
+
+    async def short(session: aiohttp.ClientSession, stream: bool) -> None:
+        body = {"model": "m", "stream": stream, "max_tokens": 1,
+                "messages": [{"role": "user", "content": "quick"}]}  # fmt: skip
+        async with session.post(url, json=body, headers=headers) as response:
+            assert response.status == 200
+            await response.read()
+
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as session:
+        await wait_for_view(session, gateway, settled)
+        before = await scrape(session, gateway.admin_url + "/metrics")
+        await asyncio.gather(*(short(session, i % 2 == 0) for i in range(24)))
+        await wait_for_view(session, gateway, settled)
+        after = await scrape(session, gateway.admin_url + "/metrics")
+    assert after.get(ttft, 0.0) - before.get(ttft, 0.0) == 24
+
+
 async def test_first_tokens_and_gaps_reach_the_service(gateway: RunningGateway) -> None:
     """Whatever counts (an accounting stream, or Envoy's script and its calls), the service
     sees each streamed response's first token (the TTFT histogram, prefill pacing) and its

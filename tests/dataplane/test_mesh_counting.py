@@ -18,6 +18,7 @@ from tests.dataplane.harness import RunningGateway, running_gateway
 from tests.dataplane.test_accounting import (
     LIMITS,
     test_counted_tokens_equal_engine_usage,
+    test_every_short_response_in_a_burst_gives_a_first_token,
     test_first_tokens_and_gaps_reach_the_service,
 )
 from tests.mesh_bootstraps import envoy_gateway_bootstrap, istio_bootstrap
@@ -26,6 +27,7 @@ pytestmark = pytest.mark.dataplane
 
 __all__ = [
     "test_counted_tokens_equal_engine_usage",
+    "test_every_short_response_in_a_burst_gives_a_first_token",
     "test_first_tokens_and_gaps_reach_the_service",
 ]
 

@@ -245,7 +245,7 @@ def test_istio_envoyfilter_inserts_the_filters_and_the_access_log_like_the_rende
     assert counting["stat_prefix"] == expected["statPrefix"]
     assert counting["default_source_code"]["inline_string"] == counting_script(
         istio_cluster(events_port())
-    )
+    ), "re-embed the script: python -m tests.mesh_bootstraps"
     manager = rendered_manager(bootstrap)
     merged = next(p for p in patches if p["applyTo"] == "NETWORK_FILTER")["patch"]["value"]
     typed = merged["typed_config"]
@@ -358,7 +358,9 @@ def test_envoy_gateway_patch_adds_the_counting_filter_log_and_cluster_like_the_r
                 and p["path"].endswith("/http_filters/-")]  # fmt: skip
     assert [f["name"] for f in appended] == [COUNTING_FILTER, _ROUTER]  # router stays last
     counting = appended[0]["typed_config"]
-    assert counting["default_source_code"]["inline_string"] == COUNTING_SCRIPT
+    assert counting["default_source_code"]["inline_string"] == COUNTING_SCRIPT, (
+        "re-embed the script: python -m tests.mesh_bootstraps"
+    )
     assert counting["stat_prefix"] == rendered_filter(bootstrap, COUNTING_FILTER)["statPrefix"]
     removed = next(p for p in operations if p["op"] == "remove")
     assert _ROUTER in removed["jsonPath"]

@@ -218,14 +218,54 @@ def _entry(**metadata: object) -> HTTPAccessLogEntry:
 def test_an_access_log_entry_reads_as_the_end_of_its_request() -> None:
     assert end_of(HTTPAccessLogEntry()) is None  # a stream the script did not follow
     assert end_of(_entry(tokens=4.0)) is None  # no id
-    assert end_of(_entry(id="r1", tokens=12.0)) == ("r1", 200, "127.0.0.1:8001", None, 12)
+    assert end_of(_entry(id="r1", tokens=12.0)) == (
+        "r1", 200, "127.0.0.1:8001", None, 12, None,
+    )  # fmt: skip
     assert end_of(
         _entry(id="r1", tokens=40.0, completion=40.0, prompt=7.0, total=47.0, cached=0.0)
-    ) == ("r1", 200, "127.0.0.1:8001", Usage(7, 40, 47, 0), 40)
+    ) == ("r1", 200, "127.0.0.1:8001", Usage(7, 40, 47, 0), 40, None)
     # Numbers out of range or of the wrong kind are no usage.
     assert end_of(_entry(id="r1", completion=-1.0, tokens="x")) == (
-        "r1", 200, "127.0.0.1:8001", None, 0,
+        "r1", 200, "127.0.0.1:8001", None, 0, None,
     )  # fmt: skip
+
+
+def test_the_first_chunks_time_reads_as_how_long_before_the_end_it_passed() -> None:
+    start_us = 1_765_000_000_000_000
+    entry = _entry(id="r1", tokens=3.0, first_us=float(start_us + 250_000))
+    entry.common_properties.start_time.FromMicroseconds(start_us)
+    entry.common_properties.duration.FromMicroseconds(400_000)
+    end = end_of(entry)
+    assert end is not None and end.first_ago == pytest.approx(0.15)
+    # Without the stream's duration, its last byte to the client ends it.
+    entry.common_properties.ClearField("duration")
+    entry.common_properties.time_to_last_downstream_tx_byte.FromMicroseconds(300_000)
+    end = end_of(entry)
+    assert end is not None and end.first_ago == pytest.approx(0.05)
+    # A time outside the stream (another clock), or no time at all, says nothing.
+    outside = _entry(id="r1", first_us=float(start_us - 1))
+    outside.common_properties.start_time.FromMicroseconds(start_us)
+    outside.common_properties.duration.FromMicroseconds(400_000)
+    assert (end := end_of(outside)) is not None and end.first_ago is None
+    assert (end := end_of(_entry(id="r1", first_us=float(start_us)))) is not None
+    assert end.first_ago is None
+
+
+def test_an_end_that_overtakes_the_first_call_gives_the_first_token_its_own_time() -> None:
+    port, clock = Port("late", "on-time", "unattached"), Clock()
+    counts = EnvoyCounts(port, clock)
+    counts.attach("late")
+    counts.first("on-time", 1)
+    clock.now = 101.0
+    counts.ended("late", 200, None, None, 3, 0.25)
+    counts.ended("on-time", 200, None, None, 3, 0.25)  # its call came: that time stands
+    counts.ended("unattached", 200, None, None, 2, 0.5)
+    counts.first("late", 1)  # the overtaken call, after the end: nothing
+    assert port.leases["late"].calls == [
+        ("started", 200, None), ("first", 100.75), ("settle", None, 3),
+    ]  # fmt: skip
+    assert [c[0] for c in port.leases["on-time"].calls].count("first") == 1
+    assert port.leases["unattached"].calls[1] == ("first", 100.5)
 
 
 def test_the_script_calls_its_cluster_with_the_named_constants() -> None:

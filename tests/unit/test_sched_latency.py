@@ -375,3 +375,22 @@ def test_a_gap_or_a_first_token_beside_another_prefill_is_not_alone() -> None:
         sched.charge_output(quiet.lease.lease_id, 1)
     alone = sched.snapshot()["pools"]["p"]["alone"]
     assert alone["step_samples"] == 3 and alone["step_s"] == pytest.approx(0.02)
+
+
+def test_a_first_token_told_late_is_timed_when_it_passed() -> None:
+    """With counting in Envoy, a short response's end may overtake its first-token call; the
+    end then says how long ago the first chunk passed, and the δ sample is timed from then."""
+
+    def quiet_ttft_delta(told_at: float, ago: float) -> float:
+        sched, clock = _scheduler()
+        _learn_alone(sched, clock)
+        quiet = _one(sched, "q", "quiet")
+        clock.advance(told_at)
+        sched.first_token(quiet.lease.lease_id, ago=ago)
+        mean: float = sched.snapshot()["tenants"]["quiet"]["latency_delta"]["ttft"]["mean_s"]
+        return mean
+
+    on_time = quiet_ttft_delta(0.1, 0.0)
+    assert quiet_ttft_delta(0.3, 0.2) == pytest.approx(on_time)
+    assert quiet_ttft_delta(0.3, 0.0) > on_time + 0.15  # told late without its time
+    assert quiet_ttft_delta(0.1, -5.0) == pytest.approx(on_time)  # never later than now
