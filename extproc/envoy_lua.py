@@ -30,7 +30,7 @@ from __future__ import annotations
 import re
 from datetime import timedelta
 
-from envoy_data_plane.envoy.config.accesslog.v3 import AccessLog
+from envoy_data_plane.envoy.config.accesslog.v3 import AccessLog, AccessLogFilter, MetadataFilter
 from envoy_data_plane.envoy.config.core.v3 import (
     ApiVersion,
     DataSource,
@@ -44,6 +44,11 @@ from envoy_data_plane.envoy.extensions.access_loggers.grpc.v3 import (
 from envoy_data_plane.envoy.extensions.filters.http.lua.v3 import Lua
 from envoy_data_plane.envoy.extensions.filters.network.http_connection_manager.v3 import (
     HttpFilter,
+)
+from envoy_data_plane.envoy.type.matcher.v3 import (
+    MetadataMatcher,
+    MetadataMatcherPathSegment,
+    ValueMatcher,
 )
 from envoy_data_plane.google.protobuf import Any as AnyProto
 
@@ -173,8 +178,19 @@ def counting_filter(events_cluster: str = EVENTS_CLUSTER) -> HttpFilter:
 
 
 def counts_access_log(extproc_cluster: str) -> AccessLog:
-    """Every stream's end, sent as it happens (no batching: capacity is released on it) to the
-    service's access-log sink on the ext_proc cluster."""
+    """The end of every stream the script followed, sent as it happens (no batching: capacity
+    is released on it) to the service's access-log sink on the ext_proc cluster. Only those:
+    a request refused at admission, or any other traffic of a shared gateway, has no request
+    id in the metadata, and each entry would cost the service a message to read and drop
+    (under a flood of 429s, one per refusal)."""
+    followed = MetadataFilter(
+        matcher=MetadataMatcher(
+            filter=METADATA_NAMESPACE,
+            path=[MetadataMatcherPathSegment(key="id")],
+            value=ValueMatcher(present_match=True),
+        ),
+        match_if_key_not_found=False,
+    )
     config = HttpGrpcAccessLogConfig(
         common_config=CommonGrpcAccessLogConfig(
             log_name=ACCESS_LOG_NAME,
@@ -184,7 +200,11 @@ def counts_access_log(extproc_cluster: str) -> AccessLog:
             buffer_flush_interval=timedelta(milliseconds=100),
         )
     )
-    return AccessLog(name="envoy.access_loggers.http_grpc", typed_config=AnyProto.pack(config))
+    return AccessLog(
+        name="envoy.access_loggers.http_grpc",
+        filter=AccessLogFilter(metadata_filter=followed),
+        typed_config=AnyProto.pack(config),
+    )
 
 
 __all__ = [

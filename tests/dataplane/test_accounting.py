@@ -282,6 +282,34 @@ async def test_every_short_response_in_a_burst_gives_a_first_token(
     assert after.get(ttft, 0.0) - before.get(ttft, 0.0) == 24
 
 
+async def envoy_stat(gateway: RunningGateway, name: str) -> int:
+    url = f"http://{gateway.config.envoy_admin}/stats?filter=^{name}$"
+    async with aiohttp.ClientSession() as session, session.get(url) as answer:
+        text = (await answer.text()).strip()
+    return int(text.split(": ")[1]) if text else 0
+
+
+async def test_requests_refused_at_admission_send_no_access_log_entry(
+    gateway: RunningGateway,
+) -> None:
+    """Envoy logs to the service only the streams its counting filter followed: a flood of
+    refusals costs the service nothing to read and drop."""
+    if gateway.config.envoy_events is None:
+        pytest.skip("an accounting stream counts here: no access log to the service")
+    url = gateway.base_url + "/v1/chat/completions"
+    body = {"model": "m", "max_tokens": 1, "messages": [{"role": "user", "content": "hi"}]}
+    written = "access_logs.grpc_access_log.logs_written"
+    before = await envoy_stat(gateway, written)
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as session:
+        for key, status in [(TEST_KEYS["acme"], 200)] * 3 + [("sk-not-a-key", 401)] * 5:
+            headers = {"authorization": f"Bearer {key}"}
+            async with session.post(url, json=body, headers=headers) as response:
+                assert response.status == status
+                await response.read()
+        await wait_for_view(session, gateway, settled)
+    assert await envoy_stat(gateway, written) - before == 3
+
+
 async def test_first_tokens_and_gaps_reach_the_service(gateway: RunningGateway) -> None:
     """Whatever counts (an accounting stream, or Envoy's script and its calls), the service
     sees each streamed response's first token (the TTFT histogram, prefill pacing) and its

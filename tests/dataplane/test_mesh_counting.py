@@ -20,6 +20,7 @@ from tests.dataplane.test_accounting import (
     test_counted_tokens_equal_engine_usage,
     test_every_short_response_in_a_burst_gives_a_first_token,
     test_first_tokens_and_gaps_reach_the_service,
+    test_requests_refused_at_admission_send_no_access_log_entry,
 )
 from tests.mesh_bootstraps import envoy_gateway_bootstrap, istio_bootstrap
 
@@ -29,6 +30,7 @@ __all__ = [
     "test_counted_tokens_equal_engine_usage",
     "test_every_short_response_in_a_burst_gives_a_first_token",
     "test_first_tokens_and_gaps_reach_the_service",
+    "test_requests_refused_at_admission_send_no_access_log_entry",
 ]
 
 

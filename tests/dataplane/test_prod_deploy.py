@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from envoy.config.accesslog.v3 import accesslog_pb2
 from envoy.config.cluster.v3 import cluster_pb2
 from envoy.extensions.access_loggers.grpc.v3 import als_pb2
 from envoy.extensions.filters.http.header_mutation.v3 import header_mutation_pb2
@@ -99,16 +100,17 @@ def rendered_counting(policy: Policy) -> dict[str, Any]:
 
 def access_log(
     entry: dict[str, Any], *, keep_service: bool = False
-) -> tuple[str, als_pb2.HttpGrpcAccessLogConfig]:
-    """An access log's name and HttpGrpcAccessLogConfig from proto JSON (either spelling);
-    without its gRPC target unless asked, as `ext_proc` does."""
+) -> tuple[str, accesslog_pb2.AccessLogFilter, als_pb2.HttpGrpcAccessLogConfig]:
+    """An access log's name, filter and HttpGrpcAccessLogConfig from proto JSON (either
+    spelling); without its gRPC target unless asked, as `ext_proc` does."""
     typed = entry.get("typed_config") or entry["typedConfig"]
     config = json_format.ParseDict(
         {k: v for k, v in typed.items() if k != "@type"}, als_pb2.HttpGrpcAccessLogConfig()
     )
     if not keep_service:
         config.common_config.ClearField("grpc_service")
-    return entry["name"], config
+    log_filter = json_format.ParseDict(entry.get("filter", {}), accesslog_pb2.AccessLogFilter())
+    return entry["name"], log_filter, config
 
 
 def cluster_proto(config: dict[str, Any]) -> cluster_pb2.Cluster:
