@@ -140,22 +140,16 @@ def embed_counting_scripts() -> list[Path]:
         (DEPLOY / "envoy-gateway" / "envoypatchpolicy.yaml", EVENTS_CLUSTER),
     ):
         text = path.read_text()
-        head = text.index("              inline_string: |\n") + len(
-            "              inline_string: |\n"
-        )
-        end = head
-        lines = text[head:].split("\n")
-        for line in lines:
-            if line and not line.startswith(_SCRIPT_INDENT):
-                break
-            end += len(line) + 1
-        body = "".join(
-            (_SCRIPT_INDENT + line if line else "") + "\n"
-            for line in counting_script(cluster).rstrip("\n").split("\n")
-        )
-        # Keep the blank lines that separated the script from what follows.
-        trailing = text[head:end][len(text[head:end].rstrip("\n")) + 1 :]
-        new = text[:head] + body + trailing + text[end:]
+        lines = text.split("\n")
+        start = lines.index("              inline_string: |") + 1
+        end = start
+        while end < len(lines) and (not lines[end] or lines[end].startswith(_SCRIPT_INDENT)):
+            end += 1
+        while end > start and not lines[end - 1]:  # the blank lines after the script stay
+            end -= 1
+        script = counting_script(cluster).rstrip("\n").split("\n")
+        indented = [_SCRIPT_INDENT + line if line else "" for line in script]
+        new = "\n".join(lines[:start] + indented + lines[end:])
         if new != text:
             path.write_text(new)
             changed.append(path)

@@ -285,13 +285,13 @@ def _first_ago(common: AccessLogCommon, fields: Struct) -> float | None:
     value = fields.fields.get("first_us")
     if value is None or value.WhichOneof("kind") != "number_value":
         return None
-    # The stream's duration; an Envoy that does not report it: its last byte to the client.
-    length = next(
-        (getattr(common, name) for name in ("duration", "time_to_last_downstream_tx_byte")
-         if common.HasField(name)),
-        None,
-    )  # fmt: skip
-    if not common.HasField("start_time") or length is None:
+    if common.HasField("duration"):
+        length = common.duration
+    elif common.HasField("time_to_last_downstream_tx_byte"):  # an Envoy without `duration`
+        length = common.time_to_last_downstream_tx_byte
+    else:
+        return None
+    if not common.HasField("start_time"):
         return None
     start = common.start_time.seconds * 1_000_000 + common.start_time.nanos // 1000
     end = start + length.seconds * 1_000_000 + length.nanos // 1000

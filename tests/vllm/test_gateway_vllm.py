@@ -11,8 +11,9 @@ counters per server) and by the ``upstream`` field of Envoy's access log.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -44,18 +45,27 @@ def _vllm_missing() -> str | None:
     return None
 
 
-@pytest.fixture(scope="module")
-def gateway(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+@contextlib.contextmanager
+def vllm_gateway_or_skip(
+    workdir: Path, make_policy: Callable[[str, str], str], count_in_envoy: bool = False
+) -> Iterator[Any]:
+    """The gateway on real vLLM engines (tests/vllm/gateway_harness.py), or a skip that says
+    what is missing."""
     missing = _vllm_missing()
     if missing is not None:
         pytest.skip(missing)
     from tests.vllm.gateway_harness import running_vllm_gateway
 
+    with running_vllm_gateway(workdir, make_policy, count_in_envoy=count_in_envoy) as running:
+        yield running
+
+
+@pytest.fixture(scope="module")
+def gateway(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
     def make(short: str, long_: str) -> str:
         return policy_yaml(short, long_, initech_limits=RATE_LIMITED)
 
-    workdir: Path = tmp_path_factory.mktemp("gateway-vllm")
-    with running_vllm_gateway(workdir, make) as running:
+    with vllm_gateway_or_skip(tmp_path_factory.mktemp("gateway-vllm"), make) as running:
         yield running
 
 

@@ -6,16 +6,15 @@ log. The same checks as tests/vllm/test_gateway_vllm.py's counting tests, on a s
 from __future__ import annotations
 
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
 
 from tests.conftest import policy_yaml
 from tests.vllm.test_gateway_vllm import (
-    _vllm_missing,
     abandoned_streams_are_corrected_to_vllm_counters,
     counted_tokens_equal_vllm_usage,
+    vllm_gateway_or_skip,
 )
 
 pytestmark = [pytest.mark.vllm, pytest.mark.dataplane]
@@ -23,13 +22,8 @@ pytestmark = [pytest.mark.vllm, pytest.mark.dataplane]
 
 @pytest.fixture(scope="module")
 def gateway(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
-    missing = _vllm_missing()
-    if missing is not None:
-        pytest.skip(missing)
-    from tests.vllm.gateway_harness import running_vllm_gateway
-
-    workdir: Path = tmp_path_factory.mktemp("gateway-vllm-envoy-counts")
-    with running_vllm_gateway(workdir, policy_yaml, count_in_envoy=True) as running:
+    workdir = tmp_path_factory.mktemp("gateway-vllm-envoy-counts")
+    with vllm_gateway_or_skip(workdir, policy_yaml, count_in_envoy=True) as running:
         assert running.config.envoy_events is not None
         yield running
 

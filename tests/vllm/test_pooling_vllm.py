@@ -10,7 +10,6 @@ and the tenant charged exactly what that engine counted (vllm:prompt_tokens_tota
 from __future__ import annotations
 
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import orjson
@@ -26,7 +25,7 @@ from tests.pooling_support import (
     rerank_body,
     score_body,
 )
-from tests.vllm.test_gateway_vllm import _vllm_missing, cl100k_count
+from tests.vllm.test_gateway_vllm import cl100k_count, vllm_gateway_or_skip
 
 pytestmark = [pytest.mark.vllm, pytest.mark.dataplane]
 
@@ -36,13 +35,8 @@ MODEL = "tiny-llama"
 
 @pytest.fixture(scope="module")
 def gateway(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
-    missing = _vllm_missing()
-    if missing is not None:
-        pytest.skip(missing)
-    from tests.vllm.gateway_harness import running_vllm_gateway
-
-    workdir: Path = tmp_path_factory.mktemp("pooling-vllm")
-    with running_vllm_gateway(workdir, chat_and_pooling_policy_yaml) as running:
+    workdir = tmp_path_factory.mktemp("pooling-vllm")
+    with vllm_gateway_or_skip(workdir, chat_and_pooling_policy_yaml) as running:
         yield running
 
 
