@@ -106,6 +106,7 @@ def _envoy_render(args: argparse.Namespace) -> int:
         admin=args.envoy_admin,
         pool_endpoints=overrides,
         envoy_events=args.count_in_envoy or None,
+        one_round_trip=args.one_round_trip,
     )
     text = render_bootstrap(policy, options)
     if args.output:
@@ -156,6 +157,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="count response tokens in Envoy (Lua) and send the service's `serve "
         "--envoy-events` listener at this address what it needs, instead of every chunk "
         "(docs/deploy.md, \"Counting in Envoy\")",
+    )  # fmt: skip
+    render.add_argument(
+        "--one-round-trip", action="store_true",
+        help="the admission filter streams the body without waiting for the headers reply, "
+        "so Envoy waits on the service once per request instead of twice; a client pausing "
+        "mid-body longer than the message timeout is then cut (docs/deploy.md)",
     )  # fmt: skip
     render.add_argument("--envoy-admin", default="127.0.0.1:9901")
     render.add_argument(

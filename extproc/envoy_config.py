@@ -118,6 +118,12 @@ class RenderOptions:
     """Count in Envoy (extproc.envoy_lua): the service's events listener (`serve
     --envoy-events`), one or more comma-separated; the accounting ext_proc filter is then not
     rendered, and `accounting` is ignored."""
+    one_round_trip: bool = False
+    """Envoy sends the request body without waiting for the reply to its headers, so it
+    waits on the service once per request, not twice (`STREAMED` body with
+    `send_body_without_waiting_for_header_response`; the upstream gets the body chunked).
+    Off by default: it saves ~0.1 ms, and Envoy's message timeout then also bounds a
+    client's pause in the middle of its body (docs/deploy.md)."""
 
 
 def split_host_port(address: str) -> tuple[str, int]:
@@ -253,8 +259,13 @@ def _drain_filter() -> HttpFilter:
     return HttpFilter(name=DRAIN_FILTER, typed_config=AnyProto.pack(config), disabled=True)
 
 
-def _admission_filter(policy: Policy) -> HttpFilter:
+def _admission_filter(policy: Policy, one_round_trip: bool) -> HttpFilter:
     hold_cap = envoy_hold_limit(policy.source)
+    body_mode = (
+        ProcessingModeBodySendMode.STREAMED
+        if one_round_trip
+        else ProcessingModeBodySendMode.BUFFERED
+    )
     config = ExternalProcessor(
         grpc_service=GrpcService(
             envoy_grpc=GrpcServiceEnvoyGrpc(cluster_name=EXTPROC_CLUSTER),
@@ -265,13 +276,15 @@ def _admission_filter(policy: Policy) -> HttpFilter:
         status_on_error=HttpStatus(code=StatusCode.ServiceUnavailable),
         processing_mode=ProcessingMode(
             request_header_mode=ProcessingModeHeaderSendMode.SEND,
-            request_body_mode=ProcessingModeBodySendMode.BUFFERED,
+            request_body_mode=body_mode,
             # The service ends the stream once the request is forwarded (or answered).
             response_header_mode=ProcessingModeHeaderSendMode.SKIP,
             response_body_mode=ProcessingModeBodySendMode.NONE,
             request_trailer_mode=ProcessingModeHeaderSendMode.SKIP,
             response_trailer_mode=ProcessingModeHeaderSendMode.SKIP,
         ),
+        # The service answers the headers once the whole body is in (extproc.service.processor).
+        send_body_without_waiting_for_header_response=one_round_trip,
         message_timeout=_seconds(policy.source.gateway.message_timeout),
         max_message_timeout=_seconds(hold_cap),
         stat_prefix="admission",
@@ -370,7 +383,11 @@ def build_bootstrap(policy: Policy, options: RenderOptions) -> Bootstrap:
         delayed_close_timeout=_seconds(5.0),
         http_filters=[
             *(
-                [_header_mutations(), _admission_filter(policy), _response_counter(options)]
+                [
+                    _header_mutations(),
+                    _admission_filter(policy, options.one_round_trip),
+                    _response_counter(options),
+                ]
                 if options.extproc_filters
                 else []
             ),

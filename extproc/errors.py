@@ -127,6 +127,11 @@ def overloaded(tenant: str, retry_after_s: int) -> GatewayError:
     )
 
 
+def misconfigured(message: str) -> GatewayError:
+    """Envoy is set up so that the service cannot admit safely (extproc envoy lint says how)."""
+    return GatewayError(Outcome.UNAVAILABLE, 500, message, "gateway_misconfigured")
+
+
 def shutting_down(retry_after_s: int) -> GatewayError:
     """The service is draining: the same answer as a request still queued when the drain began
     (extproc.scheduler.core.Scheduler.reject_all_queued)."""

@@ -31,6 +31,8 @@ class ExtProc:
     request_body_mode: Setting[str] | None = None
     response_header_mode: Setting[str] | None = None
     response_body_mode: Setting[str] | None = None
+    send_body_without_waiting: Setting[bool] | None = None
+    """`send_body_without_waiting_for_header_response` (one round trip with a STREAMED body)."""
     observability_mode: Setting[bool] | None = None
     failure_mode_allow: Setting[bool] | None = None
     message_timeout: Setting[float] | None = None

@@ -63,7 +63,8 @@ class OverloadDetector:
         self._over_share = over_share
         self._clock = clock
         self._pending: dict[object, float] = {}
-        """Admission streams Envoy waits on -> when they opened (insertion order = age)."""
+        """Admission streams Envoy waits on -> since when: the stream's start, then its body's
+        end (not the client's upload in between). Insertion order = age."""
         self._late_samples: deque[float] = deque(maxlen=LAG_SAMPLES)
         self._last_over: float | None = None
         self.reason: str | None = None

@@ -15,10 +15,12 @@ from collections.abc import AsyncIterator, Iterable
 
 import orjson
 from envoy.config.core.v3.base_pb2 import HeaderMap, HeaderValue
+from envoy.extensions.filters.http.ext_proc.v3.processing_mode_pb2 import ProcessingMode
 from envoy.service.ext_proc.v3.external_processor_pb2 import (
     HttpBody,
     HttpHeaders,
     ProcessingResponse,
+    ProtocolConfiguration,
 )
 
 from extproc.admission import Grant
@@ -28,6 +30,7 @@ from extproc.errors import (
     bad_request,
     http_answer,
     method_not_allowed,
+    misconfigured,
     never_fits_rate_limit,
     not_found,
     too_large,
@@ -60,6 +63,15 @@ from extproc.types import (
     TENANT_HEADER,
     TIER_HEADER,
     Outcome,
+)
+
+_BUFFERED = ProcessingMode.BodySendMode.BUFFERED
+_STREAMED = ProcessingMode.BodySendMode.STREAMED
+_BODY_MODE_NEEDED = (
+    "the admission filter does not send the whole request body before the request goes "
+    "upstream (processing_mode.request_body_mode must be BUFFERED, or STREAMED with "
+    "send_body_without_waiting_for_header_response): requests with a body are refused; "
+    "`extproc envoy lint` checks the configuration"
 )
 
 _ids = itertools.count(1)
@@ -122,10 +134,25 @@ class AdmissionProcessor:
         self._headers: dict[str, str] = {}
         self._method = ""
         self._turn: asyncio.Future[Grant] | None = None
+        self.one_trip = False
+        """Envoy sends the body without waiting for our headers reply (`STREAMED` body,
+        `send_body_without_waiting_for_header_response`, said in the stream's first message):
+        every reply then waits for the whole body, so Envoy waits on us once, not twice."""
+        self._chunks: list[bytes] = []
+        self._body_bytes = 0
+        self._body_mode_ok = True
+        """False when Envoy says it sends the body in a way we cannot admit by; a stream
+        that does not say (an Envoy before protocol_config) is taken for BUFFERED."""
 
     @property
     def request_id(self) -> str:
         return self.state.request_id
+
+    def take_protocol(self, config: ProtocolConfiguration) -> None:
+        """How Envoy sends the body, from the stream's first message."""
+        mode = config.request_body_mode
+        self.one_trip = mode == _STREAMED and config.send_body_without_waiting_for_header_response
+        self._body_mode_ok = mode == _BUFFERED or self.one_trip
 
     def _reject(self, error: GatewayError) -> ProcessingResponse:
         self.state.outcome = error.outcome
@@ -159,6 +186,8 @@ class AdmissionProcessor:
         # request log shows.
         state.path = headers.get(":path", "").split("?", 1)[0]
         try:
+            if not (message.end_of_stream or self._body_mode_ok):
+                raise misconfigured(_BODY_MODE_NEEDED)
             state.path = normalise_path(state.path)
             check_endpoint(self._method, state.path)
             state.tenant = identify_tenant(self.policy, headers)
@@ -189,21 +218,49 @@ class AdmissionProcessor:
         # if the body is rejected (the route is chosen again once the pool is known).
         return responses.continue_request_headers(*self._upstream_headers())
 
+    def headers_reply_waits(self, reply: ProcessingResponse) -> bool:
+        """One trip: the reply to the headers goes only with the body's (an answer, a
+        refusal or a pass-through of a bodiless request goes at once)."""
+        return self.one_trip and self.state.outcome is None and reply.HasField("request_headers")
+
+    def _gather(self, message: HttpBody) -> bytes | None:
+        """One trip: the whole body once its last chunk is in, else None (kept until then).
+        Raises GatewayError 413 as soon as the chunks pass the limit."""
+        limit = self.policy.source.gateway.max_body_bytes
+        self._body_bytes += len(message.body)
+        if self._body_bytes > limit:
+            raise too_large(limit)
+        self._chunks.append(message.body)
+        if not message.end_of_stream:
+            return None
+        return b"".join(self._chunks)
+
     async def on_request_body(self, message: HttpBody) -> AsyncIterator[ProcessingResponse]:
         state = self.state
         if state.tenant is None or state.outcome is not None:
             yield responses.continue_request_body()
             return
         path = inference_path(state.path)
+        if self.one_trip:
+            try:
+                body = self._gather(message)
+            except GatewayError as error:
+                yield self._reject(error)
+                return
+            if body is None:
+                return
+        else:
+            body = message.body
         if path is None or self._method != "POST":
             state.outcome = Outcome.ADMITTED
-            yield responses.continue_request_body(*self._upstream_headers(), clear_route_cache=True)
+            for reply in self._pass_through():
+                yield reply
             return
         try:
             limit = self.policy.source.gateway.max_body_bytes
-            if len(message.body) > limit:
+            if len(body) > limit:
                 raise too_large(limit)
-            request = parse_inference_request(path, message.body)
+            request = parse_inference_request(path, body)
             state.prompt = request.prompt
             state.prompt_estimate = self.port.estimate_prompt(request.prompt)
             max_output = self._max_output(request)
@@ -234,7 +291,8 @@ class AdmissionProcessor:
         state.outcome = Outcome.ADMITTED
         self.port.admitted(state)
         state.forwarded = True
-        yield self._forward(request, state.grant)
+        for reply in self._forward(request, state.grant):
+            yield reply
 
     def _max_output(self, request: InferenceRequest) -> int:
         """The output tokens reserved: none for a pooling request (embeddings, rerank), so
@@ -243,7 +301,17 @@ class AdmissionProcessor:
             return 0
         return request.max_tokens or self.policy.source.gateway.default_max_tokens
 
-    def _forward(self, request: InferenceRequest, grant: Grant) -> ProcessingResponse:
+    def _pass_through(self) -> list[ProcessingResponse]:
+        """A request with a body on no inference path (only reached behind an Envoy without
+        the gateway's routes, check_endpoint): the gateway's headers, the body unchanged."""
+        values, removed = self._upstream_headers()
+        if not self.one_trip:
+            return [responses.continue_request_body(values, removed, clear_route_cache=True)]
+        replies = [responses.continue_request_headers(values, removed, clear_route_cache=True)]
+        replies.extend(responses.continue_request_body() for _ in self._chunks)
+        return replies
+
+    def _forward(self, request: InferenceRequest, grant: Grant) -> list[ProcessingResponse]:
         """Let the request go upstream with the gateway's headers, and with the engine
         `priority` the scheduler chose, if any (it replaces the client's own; a pooling call
         to a pool with `pooling_priority` carries that one instead); the client's
@@ -275,13 +343,30 @@ class AdmissionProcessor:
             request.body["priority"] = priority
         if add_usage or priority is not None:
             body = orjson.dumps(request.body)
-            # Envoy answers 500 if a body mutation leaves a stale content-length.
-            values.append(("content-length", str(len(body))))
-        reply = responses.continue_request_body(values, removed, clear_route_cache=True, body=body)
+            if not self.one_trip:
+                # Envoy answers 500 if a body mutation leaves a stale content-length.
+                values.append(("content-length", str(len(body))))
         response_headers = dict(grant.ratelimit_headers)
         response_headers[QUEUE_MS_HEADER] = f"{grant.wait_s * 1000.0:.1f}"
-        responses.fill_metadata(reply, ADMISSION_METADATA, response_headers)
-        return reply
+        if not self.one_trip:
+            reply = responses.continue_request_body(
+                values, removed, clear_route_cache=True, body=body
+            )
+            responses.fill_metadata(reply, ADMISSION_METADATA, response_headers)
+            return [reply]
+        # One trip: the headers go upstream on their reply, before the body, so they carry
+        # the route; each chunk's reply replaces that chunk, and Envoy sends the body chunked
+        # (it drops the content-length in this mode).
+        replies = [responses.continue_request_headers(values, removed, clear_route_cache=True)]
+        earlier = self._chunks[:-1]
+        if body is None:
+            replies.extend(responses.continue_request_body() for _ in earlier)
+        else:
+            replies.extend(responses.clear_request_chunk() for _ in earlier)
+        last = responses.continue_request_body(body=body)
+        responses.fill_metadata(last, ADMISSION_METADATA, response_headers)
+        replies.append(last)
+        return replies
 
     def _settle_turn(self, turn: asyncio.Future[Grant]) -> None:
         """The wait ended without a grant in hand: the client left (Envoy cancelled us),

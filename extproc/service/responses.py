@@ -77,6 +77,13 @@ def continue_request_body(
     return reply
 
 
+def clear_request_chunk() -> ProcessingResponse:
+    """A streamed body chunk's reply that drops the chunk (its bytes go in a later one)."""
+    reply = ProcessingResponse()
+    reply.request_body.response.body_mutation.clear_body = True
+    return reply
+
+
 def fill_metadata(reply: ProcessingResponse, namespace: str, values: Mapping[str, str]) -> None:
     """Dynamic metadata Envoy keeps for the request under `namespace` (the filter must list
     it in metadata_options.receiving_namespaces)."""

@@ -59,20 +59,32 @@ class ExternalProcessorService(ext_proc_grpc.ExternalProcessorServicer):  # type
             # as "processing complete". Left open, a crash of this process would make Envoy
             # reset the response in flight, streamed or not.
             async for request in request_iterator:
+                if request.HasField("protocol_config"):
+                    processor.take_protocol(request.protocol_config)
                 if overload is not None and request.HasField("request_headers"):
                     received_at = envoy_received_at(request)
                     if received_at is not None:
                         overload.arrived(time.time() - received_at)
                 if request.HasField("request_body"):
+                    if overload is not None and request.request_body.end_of_stream:
+                        overload.stream_opened(processor)  # Envoy waits on us again
                     async for response in processor.on_request_body(request.request_body):
                         if overload is not None:
                             overload.stream_answered(processor)  # answered or held
                         yield response
-                    return
-                if request.HasField("request_headers"):
-                    yield processor.on_request_headers(request.request_headers)
-                    if request.request_headers.end_of_stream or processor.state.outcome is not None:
+                    if not processor.one_trip or processor.state.outcome is not None:
                         return
+                elif request.HasField("request_headers"):
+                    reply = processor.on_request_headers(request.request_headers)
+                    # Answered, or the body comes next (one trip): either way Envoy now waits
+                    # on the client, and a slow upload is not our lag.
+                    if overload is not None:
+                        overload.stream_answered(processor)
+                    if not processor.headers_reply_waits(reply):
+                        yield reply
+                        answered = processor.state.outcome is not None
+                        if request.request_headers.end_of_stream or answered:
+                            return
                 else:
                     log.warning("unexpected ext_proc phase %s", request.WhichOneof("request"))
         except Exception:

@@ -6,15 +6,16 @@ two (Envoy, the front and this load generator on the others). One tenant sends 1
 
 * `straight`: Envoy straight to the engine;
 * `noop`: Envoy with the do-nothing ext_proc (gateway_lab.bench.noop), the gRPC-in-Python floor;
+  `noop-one-trip` the same with the body streamed without waiting for the headers reply
+  (`envoy render --one-round-trip`, gateway_lab.bench.trips);
 * `mimic`: the same server answering the way our service does (`noop --mimic`: gateway headers,
   the `include_usage` body rewrite, the route-cache clear, dynamic metadata, the stream ended
   at the forward) without deciding anything: what the shape of our replies costs Envoy;
-* `one-trip`: the mimic for an admission filter in STREAMED body mode that sends the body
-  without waiting for the headers reply (`noop --mimic --one-round-trip`): what one ext_proc
-  wait instead of two would save;
+* `one-trip`: the mimic for one round trip (`noop --mimic --one-round-trip`);
 * `noop-no-acct`: the floor without the accounting filter (removed from the bootstrap), so
   Envoy opens no observability stream on the way upstream: what opening it costs the request;
-* `service`: our service with the default policy;
+* `service`: our service with the default policy; `service-one-trip` the same with one round
+  trip;
 * `service-child`: the same with the accounting streams in the service's child process
   (`serve --accounting-grpc`, Envoy's accounting cluster), the layout `extproc up` and the
   deploy files use;
@@ -48,9 +49,9 @@ from typing import Any
 
 import orjson
 
-from extproc.envoy_routes import ACCOUNTING_FILTER, ADMISSION_FILTER
+from extproc.envoy_routes import ACCOUNTING_FILTER
 from extproc.policy import hash_key
-from gateway_lab.bench import phases, revisions, scenario
+from gateway_lab.bench import phases, revisions, scenario, trips
 from gateway_lab.bench.cores import (
     CoreSplit,
     descendants,
@@ -71,8 +72,8 @@ KEY = "bench-quiet-key"
 TENANT = "quiet"
 WARMUP_TENANT = "warmup"
 ARMS = (
-    "straight", "noop", "noop-grpclib", "noop-no-acct", "mimic", "mimic-grpclib", "one-trip",
-    "service", "service-child", "static",
+    "straight", "noop", "noop-one-trip", "noop-grpclib", "noop-no-acct", "mimic",
+    "mimic-grpclib", "one-trip", "service", "service-one-trip", "service-child", "static",
 )  # fmt: skip
 BEFORE_ARMS = ("before", "before-child")
 """Arms that run the service of `--before-src`."""
@@ -134,35 +135,10 @@ def maker(label: str, settings: Settings, seed: int) -> Any:
     return make
 
 
-def _managers(bootstrap: dict[str, Any]) -> Iterator[dict[str, Any]]:
-    for listener in bootstrap["staticResources"]["listeners"]:
-        for chain in listener["filterChains"]:
-            for network_filter in chain["filters"]:
-                if "httpFilters" in network_filter["typedConfig"]:
-                    yield network_filter["typedConfig"]
-
-
-def one_trip_bootstrap(text: str) -> str:
-    """The timed bootstrap with the admission filter streaming the request body to the
-    server without waiting for its headers reply (the `one-trip` arm)."""
-    bootstrap = json.loads(phases.timed_bootstrap(text))
-    found = 0
-    for manager in _managers(bootstrap):
-        for http_filter in manager["httpFilters"]:
-            if http_filter["name"] == ADMISSION_FILTER:
-                config = http_filter["typedConfig"]
-                config["processingMode"]["requestBodyMode"] = "STREAMED"
-                config["sendBodyWithoutWaitingForHeaderResponse"] = True
-                found += 1
-    if not found:
-        raise ValueError("the bootstrap has no admission filter")
-    return json.dumps(bootstrap)
-
-
 def no_accounting_bootstrap(text: str) -> str:
     """The timed bootstrap without the accounting filter (the `noop-no-acct` arm)."""
     bootstrap = json.loads(phases.timed_bootstrap(text))
-    for manager in _managers(bootstrap):
+    for manager in trips.managers(bootstrap):
         before = len(manager["httpFilters"])
         manager["httpFilters"] = [
             f for f in manager["httpFilters"] if f["name"] != ACCOUNTING_FILTER
@@ -175,12 +151,20 @@ def no_accounting_bootstrap(text: str) -> str:
     return json.dumps(bootstrap)
 
 
-EDITS = {"one-trip": one_trip_bootstrap, "noop-no-acct": no_accounting_bootstrap}
+EDITS = {
+    "noop-one-trip": trips.one_round_trip,
+    "one-trip": trips.one_round_trip,
+    "service-one-trip": trips.one_round_trip,
+    "noop-no-acct": no_accounting_bootstrap,
+}
 
 
 @contextlib.contextmanager
 def front(arm: str, workdir: Path, endpoint: str, before_src: Path | None) -> Iterator[Gateway]:
-    noops = ("noop", "noop-grpclib", "noop-no-acct", "mimic", "mimic-grpclib", "one-trip")
+    noops = (
+        "noop", "noop-one-trip", "noop-grpclib", "noop-no-acct", "mimic", "mimic-grpclib",
+        "one-trip",
+    )  # fmt: skip
     kind = "straight" if arm == "straight" else "noop" if arm in noops else "extproc"
     noop_args: tuple[str, ...] = ()
     if arm in ("mimic", "mimic-grpclib", "one-trip"):

@@ -12,7 +12,9 @@ tenants from `X-Tenant-ID`; its own venv, scripts/setup-kvwarden.sh), and Envoy 
 service (the default policy: DRR, headroom, adaptive soft limit, overload shedding), its
 accounting streams in their own process (`serve --accounting-grpc`; the `-inproc` arms keep
 them on the admission process's event loop, the layout before, side by side; the `-lua` arms
-have Envoy count and tell the service instead, `serve --envoy-events`, extproc.envoy_lua).
+have Envoy count and tell the service instead, `serve --envoy-events`, extproc.envoy_lua;
+the `-1trip` arms stream the request body without waiting for the headers reply, `envoy
+render --one-round-trip`, gateway_lab.bench.trips).
 
 Per arm: the quiet tenant's time to the first streamed chunk (P50/P99, their ratio to the
 quiet tenant alone straight to the engine: "solo"), its failed requests, the flooder's answers
@@ -40,7 +42,7 @@ from typing import Any
 
 import orjson
 
-from gateway_lab.bench import phases, quiet_path, reply_probe, revisions, scenario
+from gateway_lab.bench import phases, quiet_path, reply_probe, revisions, scenario, trips
 from gateway_lab.bench.cores import (
     CoreSplit,
     descendants,
@@ -150,7 +152,8 @@ def front(arm: Arm, workdir: Path, endpoint: str, kvwarden_venv: Path) -> Iterat
         with kvwarden_front(workdir / arm.name, kvwarden_venv, endpoint, MODEL) as gateway:
             yield gateway
         return
-    edit = phases.timed_bootstrap  # every Envoy arm logs; the alone arms' phases are the table
+    # Every Envoy arm logs; the alone arms' phases are the table.
+    edit = trips.one_round_trip if arm.one_round_trip else phases.timed_bootstrap
     env = None if arm.source is None else revisions.tree_env(arm.source)
     with gateway_stack(
         workdir / arm.name,

@@ -38,6 +38,9 @@ class Arm:
     count_in_envoy: bool = False
     """Envoy counts and tells the service (`serve --envoy-events`, extproc.envoy_lua): no
     accounting streams at all (`-lua` arms)."""
+    one_round_trip: bool = False
+    """The admission filter streams the body without waiting for the headers reply (`-1trip`
+    arms, `envoy render --one-round-trip`: gateway_lab.bench.trips)."""
 
 
 ARMS = (
@@ -60,6 +63,9 @@ ARMS = (
     Arm("alone-lua", "service", "alone", count_in_envoy=True),
     Arm("room-lua", "service", "room", count_in_envoy=True),
     Arm("over-lua", "service", "over", count_in_envoy=True),
+    Arm("alone-lua-1trip", "service", "alone", count_in_envoy=True, one_round_trip=True),
+    Arm("room-lua-1trip", "service", "room", count_in_envoy=True, one_round_trip=True),
+    Arm("over-lua-1trip", "service", "over", count_in_envoy=True, one_round_trip=True),
 )
 
 

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from extproc.policy import Policy, hash_key, load_policy
+from gateway_lab.bench.trips import set_round_trips
 from gateway_lab.processes import Stack
 from gateway_lab.up import StackConfig, build_stack, wait_ready
 from tests.conftest import TEST_KEYS, free_port
@@ -46,6 +47,8 @@ class RunningGateway:
     policy: Policy
     stack: Stack
     config: StackConfig
+    layout: str = "two-trips"
+    """Which of LAYOUTS the admission filter runs in (set by the fixtures that choose one)."""
 
     def log_of(self, name: str) -> str:
         child = next(c for c in self.stack.children if c.name == name)
@@ -78,6 +81,19 @@ def loopback_config(
         envoy_events=f"127.0.0.1:{free_port()}" if count_in_envoy else None,
     )
     return policy, config
+
+
+def one_round_trip(bootstrap: dict[str, Any], _: StackConfig) -> dict[str, Any]:
+    """An `envoy_bootstrap` edit: the admission filter streams the body without waiting for
+    the headers reply (`envoy render --one-round-trip`)."""
+    return set_round_trips(bootstrap, 1)
+
+
+LAYOUTS: dict[str, Callable[[dict[str, Any], StackConfig], dict[str, Any]] | None] = {
+    "two-trips": None,
+    "one-trip": one_round_trip,
+}
+"""The admission filter's two ways of taking the body, as `running_gateway` edits."""
 
 
 @contextlib.contextmanager

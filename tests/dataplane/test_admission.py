@@ -13,7 +13,7 @@ import orjson
 import pytest
 
 from tests.conftest import TEST_KEYS, policy_yaml
-from tests.dataplane.harness import RunningGateway, running_gateway
+from tests.dataplane.harness import LAYOUTS, RunningGateway, running_gateway
 
 pytestmark = pytest.mark.dataplane
 
@@ -34,9 +34,14 @@ def admission_policy(short: str, long_: str) -> str:
     )
 
 
-@pytest.fixture(scope="module")
-def gateway(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningGateway]:
-    with running_gateway(tmp_path_factory.mktemp("admission"), admission_policy) as running:
+@pytest.fixture(scope="module", params=list(LAYOUTS))
+def gateway(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[RunningGateway]:
+    """Both ways the admission filter can take the body: one round trip and two."""
+    workdir = tmp_path_factory.mktemp("admission")
+    edit = LAYOUTS[request.param]
+    with running_gateway(workdir, admission_policy, envoy_bootstrap=edit) as running:
         yield running
 
 

@@ -34,8 +34,9 @@ def test_low_load_quick(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> N
     printed = capsys.readouterr().out
     data = json.loads((out / "results.json").read_text())
     assert list(data["arms"]) == [
-        "straight", "noop", "noop-grpclib", "noop-no-acct", "mimic", "mimic-grpclib", "one-trip",
-        "service", "service-child", "static", "before",
+        "straight", "noop", "noop-one-trip", "noop-grpclib", "noop-no-acct", "mimic",
+        "mimic-grpclib", "one-trip", "service", "service-one-trip", "service-child", "static",
+        "before",
     ]  # fmt: skip
     for arm, result in data["arms"].items():
         assert result["requests"] >= 1, f"{arm} answered nothing"
@@ -44,11 +45,15 @@ def test_low_load_quick(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> N
     assert data["arms"]["straight"]["front_cores"] == 0.0
     filters = {
         arm: json.dumps(json.loads((tmp_path / "w" / f"{arm}-0" / "envoy.json").read_text()))
-        for arm in ("noop", "noop-no-acct", "one-trip")
+        for arm in ("noop", "noop-no-acct", "one-trip", "noop-one-trip", "service-one-trip")
     }
     assert ACCOUNTING_FILTER in filters["noop"]
     assert ACCOUNTING_FILTER not in filters["noop-no-acct"]
-    assert "sendBodyWithoutWaitingForHeaderResponse" in filters["one-trip"]
+    one_trip = "sendBodyWithoutWaitingForHeaderResponse"
+    assert one_trip not in filters["noop"]
+    assert all(
+        one_trip in filters[arm] for arm in ("one-trip", "noop-one-trip", "service-one-trip")
+    )
     assert data["arms"]["service"]["front_cores"] > 0.0
     child = json.loads((tmp_path / "w" / "service-child-0" / "envoy.json").read_text())
     clusters = {c["name"] for c in child["staticResources"]["clusters"]}

@@ -9,17 +9,24 @@ import pytest
 import urllib3
 
 from tests.conftest import TEST_KEYS, policy_yaml
-from tests.dataplane.harness import RunningGateway, running_gateway
+from tests.dataplane.harness import LAYOUTS, RunningGateway, running_gateway
 
 pytestmark = pytest.mark.dataplane
 
 HTTP = urllib3.PoolManager(timeout=urllib3.Timeout(connect=2, read=30), retries=False)
 
 
-@pytest.fixture(scope="module")
-def gateway(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningGateway]:
+@pytest.fixture(scope="module", params=list(LAYOUTS))
+def gateway(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[RunningGateway]:
+    """Both ways the admission filter can take the body: one round trip and two."""
     workdir = tmp_path_factory.mktemp("gateway")
-    with running_gateway(workdir, lambda short, long_: policy_yaml(short, long_)) as running:
+    with running_gateway(
+        workdir,
+        lambda short, long_: policy_yaml(short, long_),
+        envoy_bootstrap=LAYOUTS[request.param],
+    ) as running:
         yield running
 
 

@@ -1,21 +1,23 @@
 """A request its tenant's full queue refuses whatever it asks for is refused at the request
 headers, through the real Envoy: the client gets the same 429 (OpenAI body, Retry-After) as a
-refusal at the body, but Envoy sends the admission stream no body message, and the accounting
-filter behind it (which Envoy runs for a local reply too) gets no request headers: two of the
-five messages a flooder's refusal at the body costs the door."""
+refusal at the body, but the service neither parses nor estimates the body, and the accounting
+filter behind it (which Envoy runs for a local reply too) gets no request headers. With two
+round trips Envoy also sends the admission stream no body message: two of the five messages a
+flooder's refusal at the body costs the door; with one, Envoy has sent the body already."""
 
 from __future__ import annotations
 
 import asyncio
 import re
 from collections.abc import Iterator
+from typing import Any
 
 import aiohttp
 import orjson
 import pytest
 
 from tests.conftest import policy_yaml
-from tests.dataplane.harness import RunningGateway, running_gateway
+from tests.dataplane.harness import LAYOUTS, RunningGateway, running_gateway
 from tests.dataplane.test_admission import chat, send, settled, wait_for_view
 
 pytestmark = pytest.mark.dataplane
@@ -29,11 +31,17 @@ def full_queue_policy(short: str, long_: str) -> str:
     return policy_yaml(short, long_, globex_limits=limits, short_inflight=1, long_inflight=1)
 
 
-@pytest.fixture(scope="module")
-def gateway(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningGateway]:
+@pytest.fixture(scope="module", params=list(LAYOUTS))
+def gateway(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[RunningGateway]:
     # 12 ms steps: the requests holding the pools stay in flight for seconds
     workdir = tmp_path_factory.mktemp("full-queue")
-    with running_gateway(workdir, full_queue_policy, profile="a100-llama3-8b") as running:
+    edit = LAYOUTS[request.param]
+    with running_gateway(
+        workdir, full_queue_policy, profile="a100-llama3-8b", envoy_bootstrap=edit
+    ) as running:
+        running.layout = request.param
         yield running
 
 
@@ -44,6 +52,11 @@ async def ext_proc_stats(
     async with session.get(url, params={"filter": "ext_proc"}) as response:
         text = await response.text()
     return {(m[1], m[2]): int(m[3]) for m in _STAT.finditer(text)}
+
+
+async def status_view(session: aiohttp.ClientSession, gateway: RunningGateway) -> Any:
+    async with session.get(gateway.admin_url + "/v1/status") as response:
+        return orjson.loads(await response.read())
 
 
 async def test_a_full_queue_refuses_at_the_headers(gateway: RunningGateway) -> None:
@@ -74,8 +87,12 @@ async def test_a_full_queue_refuses_at_the_headers(gateway: RunningGateway) -> N
         assert int(headers["Retry-After"]) >= 1
         grew = {key: after.get(key, 0) - before.get(key, 0) for key in after}
         assert grew[("admission", "streams_started")] == 1
-        assert grew[("admission", "stream_msgs_sent")] == 1  # the headers, no body
+        if gateway.layout == "two-trips":
+            assert grew[("admission", "stream_msgs_sent")] == 1  # the headers, no body
         assert grew[("admission", "immediate_responses_sent")] == 1
+        # refused before a pool was chosen from the body
+        (last, *_) = (await status_view(session, gateway))["rejections"]
+        assert last["code"] == "rejected_queue_full" and last["pool"] is None
         # the local reply's headers and body only (refused at the body: the request headers too)
         assert grew[("accounting", "streams_started")] == 1
         assert grew[("accounting", "stream_msgs_sent")] == 2

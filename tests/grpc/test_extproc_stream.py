@@ -79,13 +79,15 @@ async def response_ends(
     stub: ext_proc_grpc.ExternalProcessorStub,
     forward: ProcessingResponse,
     usage: tuple[int, int] | None = None,
+    phase: str = "request_body",
 ) -> None:
     """What Envoy does once a forwarded request's response ends: the admission stream has
     already ended (right after `forward`); the accounting stream sees the request headers
     (with the gateway's request id) and the whole response, then closes, which settles.
     `usage` (prompt, completion tokens): a JSON response that reports them; None: a response
-    without a body."""
-    request_id = set_headers(forward, "request_body")["x-gateway-request-id"]
+    without a body. `phase`: the reply that set the gateway's headers (`request_headers` with
+    one round trip)."""
+    request_id = set_headers(forward, phase)["x-gateway-request-id"]
     linked = [("x-gateway-request-id", request_id)]
     messages = [headers_message("POST", "/v1/chat/completions", None, linked)]
     if usage is None:

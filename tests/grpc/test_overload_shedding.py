@@ -9,7 +9,6 @@ import contextlib
 import time
 from collections.abc import AsyncIterator, Callable
 
-import grpc
 import orjson
 import pytest
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ext_proc_grpc
@@ -19,7 +18,6 @@ from extproc.policy import hash_key, policy_from_text
 from extproc.service import request as request_record
 from extproc.service.composition import compose
 from extproc.service.gateway import Gateway
-from extproc.service.server import start_grpc_server
 from tests.conftest import TEST_KEYS
 from tests.grpc.test_extproc_stream import EnvoyPeer, body_message, chat_body, headers_message
 from tests.grpc_support import served_stub
@@ -176,14 +174,8 @@ async def tracked_service() -> AsyncIterator[tuple[Gateway, ext_proc_grpc.Extern
     """Served as `extproc serve` does: the server reports each admission stream it opens."""
     gateway = compose(policy_from_text(POLICY))
     await gateway.start()
-    server, port = await start_grpc_server(gateway, "127.0.0.1:0", gateway.overload)
-    channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
-    try:
-        yield gateway, ext_proc_grpc.ExternalProcessorStub(channel)
-    finally:
-        await channel.close()
-        await server.stop(None)
-        await gateway.close()
+    async with served_stub(gateway, close_gateway=True, tracked=True) as stub:
+        yield gateway, stub
 
 
 async def samples_stay_short(gateway: Gateway, samples: int = 3) -> None:
@@ -204,7 +196,8 @@ async def test_the_monitor_idles_until_a_stream_opens_and_stays_short_while_work
     peer = await start_request(stub, "globex")
     try:
         assert not monitor.idle  # the stream's headers woke it before they were answered
-        await samples_stay_short(gateway)  # the stream waits for its body
+        # Now Envoy waits on the client's body, not on us: the monitor may idle until the
+        # body comes (which wakes it, as a new stream does).
         assert (await body_reply(peer)).WhichOneof("response") == "request_body"
         assert gateway.scheduler.inflight() == 1
         # Forwarded, the request holds its capacity until its accounting stream ends: each

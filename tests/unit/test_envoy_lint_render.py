@@ -170,3 +170,32 @@ def test_an_istio_merge_without_access_logs_leaves_the_counting_log_to_a_note(
     assert [f.severity for f in findings] == ["note"]
     shipped = lint_file(str(REPO / "deploy/istio/envoyfilter.yaml"), reference(policy))
     assert [f for f in shipped if f.check == "counting-log"] == []
+
+
+def test_both_ways_of_taking_the_body_pass_and_a_streamed_body_that_waits_does_not(
+    tmp_path: Path,
+) -> None:
+    """One round trip (STREAMED, sent without waiting: the render) and two (BUFFERED) are
+    fine; STREAMED with Envoy waiting for the headers reply is an error: the request would go
+    upstream on that reply, before the service saw the body."""
+    policy = policy_from_text(policy_yaml())
+
+    def admission_findings(one_round_trip: bool, edit: dict[str, object]) -> list[str]:
+        config = json.loads(render_bootstrap(policy, RenderOptions(one_round_trip=one_round_trip)))
+        manager = config["staticResources"]["listeners"][0]["filterChains"][0]["filters"][0]
+        (admission,) = (
+            f["typedConfig"]
+            for f in manager["typedConfig"]["httpFilters"]
+            if f["name"] == ADMISSION_FILTER
+        )
+        admission.update(edit)
+        path = tmp_path / "envoy.json"
+        path.write_text(json.dumps(config, indent=2))
+        findings = lint_file(str(path), reference(policy))
+        return [f.message for f in findings if f.check not in PENDING_CHECKS]
+
+    assert admission_findings(True, {}) == []
+    assert admission_findings(False, {}) == []
+    (message,) = admission_findings(True, {"sendBodyWithoutWaitingForHeaderResponse": False})
+    assert "request_body_mode is STREAMED" in message
+    assert "send_body_without_waiting_for_header_response" in message

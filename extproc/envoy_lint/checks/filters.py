@@ -42,7 +42,7 @@ def _of_role(view: View, role: Role) -> list[ExtProc]:
 
 
 _WHAT: dict[Role, str] = {
-    "admission": "synchronous, BUFFERED request body",
+    "admission": "synchronous, BUFFERED request body, or STREAMED sent without waiting",
     "accounting": f"observability_mode: true, {ROLE_METADATA}: {ACCOUNTING_ROLE}",
 }
 
@@ -153,15 +153,22 @@ def _modes(filter_: ExtProc) -> list[Issue]:
     issues = []
     for field, expected in _EXPECTED_MODES[filter_.role].items():
         value, line = _mode(filter_, field)
-        if value != expected and value != _ALSO_FINE.get((filter_.role, field)):
-            why = _WHY.get(field, f"the {filter_.role} filter needs it")
-            issues.append(
-                error(
-                    line,
-                    f"{filter_.name}: processing_mode.{field} is {value}: {why}",
-                    f"set {field}: {expected}",
-                )
+        if value in (expected, _ALSO_FINE.get((filter_.role, field))):
+            continue
+        why = _WHY.get(field, f"the {filter_.role} filter needs it")
+        fix = f"set {field}: {expected}"
+        if filter_.role == "admission" and field == "request_body_mode" and value == "STREAMED":
+            flag = filter_.send_body_without_waiting
+            if flag is not None and flag.value:
+                continue  # one round trip: the service has the whole body before it answers
+            why = (
+                "without send_body_without_waiting_for_header_response: true, the request goes "
+                "upstream on the headers reply, before the service has its body"
             )
+            fix += " or send_body_without_waiting_for_header_response: true"
+        issues.append(
+            error(line, f"{filter_.name}: processing_mode.{field} is {value}: {why}", fix)
+        )
     return issues
 
 

@@ -83,6 +83,9 @@ def ext_proc(name: str, line: int, config: Node) -> ExtProc:
         response_body_mode=enum_setting(
             mode.get("response_body_mode") if mode is not None else None
         ),
+        send_body_without_waiting=flag_setting(
+            config.get("send_body_without_waiting_for_header_response")
+        ),
         observability_mode=observability,
         failure_mode_allow=flag_setting(config.get("failure_mode_allow")),
         message_timeout=seconds_setting(config.get("message_timeout")),
