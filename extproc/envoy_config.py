@@ -122,7 +122,7 @@ class RenderOptions:
     """Envoy sends the request body without waiting for the reply to its headers, so it
     waits on the service once per request, not twice (`STREAMED` body with
     `send_body_without_waiting_for_header_response`; the upstream gets the body chunked).
-    Off by default: it saves ~0.1 ms, and Envoy's message timeout then also bounds a
+    Off by default: it saves at most ~0.1 ms, and Envoy's message timeout then bounds a
     client's pause in the middle of its body (docs/deploy.md)."""
 
 
