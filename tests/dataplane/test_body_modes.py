@@ -81,6 +81,22 @@ def test_a_body_of_many_pieces_is_admitted_whole(
     assert usage["completion_tokens"] == 4
 
 
+def test_a_chunked_body_with_trailers_is_admitted(gateway: RunningGateway) -> None:
+    """The body's end comes with trailers, not with its last piece (the filter skips
+    trailers): the service still gets the end of the body, in either layout."""
+    body = orjson.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"}],
+                         "max_tokens": 2})  # fmt: skip
+    head = (
+        "POST /v1/chat/completions HTTP/1.1\r\nhost: gateway\r\nconnection: close\r\n"
+        f"authorization: Bearer {TEST_KEYS['globex']}\r\ntransfer-encoding: chunked\r\n"
+        "trailer: x-client-trailer\r\n\r\n"
+    ).encode()
+    chunk = b"%x\r\n%s\r\n" % (len(body), body)
+    answer = send_raw(gateway, head + chunk + b"0\r\nx-client-trailer: 1\r\n\r\n")
+    assert answer.status == 200, answer
+    assert orjson.loads(answer.body)["usage"]["completion_tokens"] == 2
+
+
 def test_a_pause_mid_body_longer_than_the_message_timeout(gateway: RunningGateway) -> None:
     """A client pausing 2.5x the message timeout in the middle of its body: served with two
     round trips (Envoy waits on the client, no timer runs); with one, Envoy has passed on the
