@@ -178,7 +178,8 @@ class AdmissionProcessor:
         ]
         return values, removed
 
-    def on_request_headers(self, message: HttpHeaders) -> ProcessingResponse:
+    def on_request_headers(self, message: HttpHeaders) -> ProcessingResponse | None:
+        """The reply to the headers, or None when it goes with the body's (one trip)."""
         state = self.state
         headers = self._headers = header_map(message)
         self._method = headers.get(":method", "")
@@ -214,52 +215,49 @@ class AdmissionProcessor:
             refused = self.port.refused_before_body(state.request_id, state.tenant, endpoint)
             if refused is not None:
                 return self._reject(refused)
+        if self.one_trip:
+            return None
         # The identified tenant now, the client's claims gone: what Envoy's access log shows
         # if the body is rejected (the route is chosen again once the pool is known).
         return responses.continue_request_headers(*self._upstream_headers())
 
-    def headers_reply_waits(self, reply: ProcessingResponse) -> bool:
-        """One trip: the reply to the headers goes only with the body's (an answer, a
-        refusal or a pass-through of a bodiless request goes at once)."""
-        return self.one_trip and self.state.outcome is None and reply.HasField("request_headers")
-
-    def _gather(self, message: HttpBody) -> bytes | None:
-        """One trip: the whole body once its last chunk is in, else None (kept until then).
-        Raises GatewayError 413 as soon as the chunks pass the limit."""
+    def _whole_body(self, message: HttpBody) -> bytes | None:
+        """The whole body: this message's (BUFFERED), or, one trip, the pieces gathered once
+        the last is in (None until then). Raises GatewayError 413 as soon as it passes the
+        limit."""
         limit = self.policy.source.gateway.max_body_bytes
-        self._body_bytes += len(message.body)
+        piece: bytes = message.body
+        if not self.one_trip:
+            if len(piece) > limit:
+                raise too_large(limit)
+            return piece
+        self._body_bytes += len(piece)
         if self._body_bytes > limit:
             raise too_large(limit)
-        self._chunks.append(message.body)
-        if not message.end_of_stream:
-            return None
-        return b"".join(self._chunks)
+        self._chunks.append(piece)
+        return b"".join(self._chunks) if message.end_of_stream else None
 
     async def on_request_body(self, message: HttpBody) -> AsyncIterator[ProcessingResponse]:
         state = self.state
         if state.tenant is None or state.outcome is not None:
             yield responses.continue_request_body()
             return
+        try:
+            body = self._whole_body(message)
+        except GatewayError as error:
+            yield self._reject(error)
+            return
+        if body is None:
+            return
         path = inference_path(state.path)
-        if self.one_trip:
-            try:
-                body = self._gather(message)
-            except GatewayError as error:
-                yield self._reject(error)
-                return
-            if body is None:
-                return
-        else:
-            body = message.body
         if path is None or self._method != "POST":
+            # Only behind an Envoy without the gateway's routes (check_endpoint): the
+            # gateway's headers, the body unchanged.
             state.outcome = Outcome.ADMITTED
-            for reply in self._pass_through():
+            for reply in self._replies(*self._upstream_headers()):
                 yield reply
             return
         try:
-            limit = self.policy.source.gateway.max_body_bytes
-            if len(body) > limit:
-                raise too_large(limit)
             request = parse_inference_request(path, body)
             state.prompt = request.prompt
             state.prompt_estimate = self.port.estimate_prompt(request.prompt)
@@ -301,16 +299,6 @@ class AdmissionProcessor:
             return 0
         return request.max_tokens or self.policy.source.gateway.default_max_tokens
 
-    def _pass_through(self) -> list[ProcessingResponse]:
-        """A request with a body on no inference path (only reached behind an Envoy without
-        the gateway's routes, check_endpoint): the gateway's headers, the body unchanged."""
-        values, removed = self._upstream_headers()
-        if not self.one_trip:
-            return [responses.continue_request_body(values, removed, clear_route_cache=True)]
-        replies = [responses.continue_request_headers(values, removed, clear_route_cache=True)]
-        replies.extend(responses.continue_request_body() for _ in self._chunks)
-        return replies
-
     def _forward(self, request: InferenceRequest, grant: Grant) -> list[ProcessingResponse]:
         """Let the request go upstream with the gateway's headers, and with the engine
         `priority` the scheduler chose, if any (it replaces the client's own; a pooling call
@@ -343,29 +331,31 @@ class AdmissionProcessor:
             request.body["priority"] = priority
         if add_usage or priority is not None:
             body = orjson.dumps(request.body)
-            if not self.one_trip:
-                # Envoy answers 500 if a body mutation leaves a stale content-length.
-                values.append(("content-length", str(len(body))))
+        replies = self._replies(values, removed, body)
         response_headers = dict(grant.ratelimit_headers)
         response_headers[QUEUE_MS_HEADER] = f"{grant.wait_s * 1000.0:.1f}"
+        responses.fill_metadata(replies[-1], ADMISSION_METADATA, response_headers)
+        return replies
+
+    def _replies(
+        self, values: list[tuple[str, str]], removed: list[str], body: bytes | None = None
+    ) -> list[ProcessingResponse]:
+        """The replies that let the request go upstream with these headers (routed again on
+        them) and `body` in place of the client's (None: unchanged)."""
         if not self.one_trip:
-            reply = responses.continue_request_body(
-                values, removed, clear_route_cache=True, body=body
-            )
-            responses.fill_metadata(reply, ADMISSION_METADATA, response_headers)
-            return [reply]
+            if body is not None:
+                # Envoy answers 500 if a body mutation leaves a stale content-length.
+                values = [*values, ("content-length", str(len(body)))]
+            return [
+                responses.continue_request_body(values, removed, clear_route_cache=True, body=body)
+            ]
         # One trip: the headers go upstream on their reply, before the body, so they carry
-        # the route; each chunk's reply replaces that chunk, and Envoy sends the body chunked
+        # the route; each piece's reply replaces that piece, and Envoy sends the body chunked
         # (it drops the content-length in this mode).
         replies = [responses.continue_request_headers(values, removed, clear_route_cache=True)]
-        earlier = self._chunks[:-1]
-        if body is None:
-            replies.extend(responses.continue_request_body() for _ in earlier)
-        else:
-            replies.extend(responses.clear_request_chunk() for _ in earlier)
-        last = responses.continue_request_body(body=body)
-        responses.fill_metadata(last, ADMISSION_METADATA, response_headers)
-        replies.append(last)
+        earlier = responses.continue_request_body if body is None else responses.clear_request_chunk
+        replies.extend(earlier() for _ in self._chunks[:-1])
+        replies.append(responses.continue_request_body(body=body))
         return replies
 
     def _settle_turn(self, turn: asyncio.Future[Grant]) -> None:

@@ -80,7 +80,7 @@ class ExternalProcessorService(ext_proc_grpc.ExternalProcessorServicer):  # type
                     # on the client, and a slow upload is not our lag.
                     if overload is not None:
                         overload.stream_answered(processor)
-                    if not processor.headers_reply_waits(reply):
+                    if reply is not None:
                         yield reply
                         answered = processor.state.outcome is not None
                         if request.request_headers.end_of_stream or answered:

@@ -1,7 +1,6 @@
 """Bootstrap edits for the arms that compare the admission filter's two ways of taking the
 body: two round trips (the render's default: `BUFFERED`, after the headers reply) and one
-(`STREAMED`, sent without waiting for the headers reply: `envoy render --one-round-trip`).
-Each also adds the access log's timing fields (gateway_lab.bench.phases)."""
+(`STREAMED`, sent without waiting for the headers reply: `envoy render --one-round-trip`)."""
 
 from __future__ import annotations
 
@@ -24,7 +23,8 @@ def managers(bootstrap: dict[str, Any]) -> Iterator[dict[str, Any]]:
                     yield network_filter["typedConfig"]
 
 
-def _admission_configs(bootstrap: dict[str, Any]) -> list[dict[str, Any]]:
+def admission_configs(bootstrap: dict[str, Any]) -> list[dict[str, Any]]:
+    """The admission filters' typed configs (to edit in place)."""
     found = [
         http_filter["typedConfig"]
         for manager in managers(bootstrap)
@@ -36,25 +36,16 @@ def _admission_configs(bootstrap: dict[str, Any]) -> list[dict[str, Any]]:
     return found
 
 
-def set_round_trips(bootstrap: dict[str, Any], trips: int) -> dict[str, Any]:
-    """`bootstrap` (changed in place) with its admission filter taking the body in one round
-    trip or two."""
-    if trips not in (1, 2):
-        raise ValueError("one round trip or two")
-    for config in _admission_configs(bootstrap):
-        config["processingMode"]["requestBodyMode"] = "STREAMED" if trips == 1 else "BUFFERED"
-        if trips == 1:
-            config[WITHOUT_WAITING] = True
-        else:
-            config.pop(WITHOUT_WAITING, None)
+def set_one_round_trip(bootstrap: dict[str, Any]) -> dict[str, Any]:
+    """`bootstrap` (changed in place) with its admission filter streaming the body without
+    waiting for the headers reply."""
+    for config in admission_configs(bootstrap):
+        config["processingMode"]["requestBodyMode"] = "STREAMED"
+        config[WITHOUT_WAITING] = True
     return bootstrap
 
 
 def one_round_trip(text: str) -> str:
-    """The timed bootstrap, its admission filter streaming the body without waiting."""
-    return json.dumps(set_round_trips(json.loads(phases.timed_bootstrap(text)), 1))
-
-
-def two_round_trips(text: str) -> str:
-    """The timed bootstrap, its admission filter buffering the body after the headers reply."""
-    return json.dumps(set_round_trips(json.loads(phases.timed_bootstrap(text)), 2))
+    """The bootstrap with the access log's timing fields (gateway_lab.bench.phases) and one
+    round trip."""
+    return json.dumps(set_one_round_trip(json.loads(phases.timed_bootstrap(text))))

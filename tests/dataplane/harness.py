@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from extproc.policy import Policy, hash_key, load_policy
-from gateway_lab.bench.trips import set_round_trips
+from gateway_lab.bench.trips import set_one_round_trip
 from gateway_lab.processes import Stack
 from gateway_lab.up import StackConfig, build_stack, wait_ready
 from tests.conftest import TEST_KEYS, free_port
@@ -86,7 +86,7 @@ def loopback_config(
 def one_round_trip(bootstrap: dict[str, Any], _: StackConfig) -> dict[str, Any]:
     """An `envoy_bootstrap` edit: the admission filter streams the body without waiting for
     the headers reply (`envoy render --one-round-trip`)."""
-    return set_round_trips(bootstrap, 1)
+    return set_one_round_trip(bootstrap)
 
 
 LAYOUTS: dict[str, Callable[[dict[str, Any], StackConfig], dict[str, Any]] | None] = {
@@ -129,3 +129,15 @@ def running_gateway(
     finally:
         stack.stop()
         ACTIVE_STACKS.remove(stack)
+
+
+@contextlib.contextmanager
+def running_in_layout(
+    layout: str, workdir: Path, make_policy: Callable[[str, str], str], profile: str = "fast"
+) -> Iterator[RunningGateway]:
+    """`running_gateway` with the admission filter taking the body as LAYOUTS[layout] says
+    (the fixtures parametrized over both layouts use it)."""
+    edit = LAYOUTS[layout]
+    with running_gateway(workdir, make_policy, profile, envoy_bootstrap=edit) as running:
+        running.layout = layout
+        yield running

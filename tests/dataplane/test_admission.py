@@ -13,7 +13,7 @@ import orjson
 import pytest
 
 from tests.conftest import TEST_KEYS, policy_yaml
-from tests.dataplane.harness import LAYOUTS, RunningGateway, running_gateway
+from tests.dataplane.harness import LAYOUTS, RunningGateway, running_gateway, running_in_layout
 
 pytestmark = pytest.mark.dataplane
 
@@ -40,8 +40,7 @@ def gateway(
 ) -> Iterator[RunningGateway]:
     """Both ways the admission filter can take the body: one round trip and two."""
     workdir = tmp_path_factory.mktemp("admission")
-    edit = LAYOUTS[request.param]
-    with running_gateway(workdir, admission_policy, envoy_bootstrap=edit) as running:
+    with running_in_layout(request.param, workdir, admission_policy) as running:
         yield running
 
 

@@ -14,7 +14,7 @@ from typing import Any
 import orjson
 import pytest
 
-from gateway_lab.bench.trips import WITHOUT_WAITING, managers
+from gateway_lab.bench.trips import WITHOUT_WAITING, admission_configs
 from gateway_lab.up import StackConfig
 from tests.adversarial.raw_http import (
     TIMEOUT_S,
@@ -25,7 +25,7 @@ from tests.adversarial.raw_http import (
 )
 from tests.adversarial.test_paths import upstream_requests
 from tests.conftest import TEST_KEYS, policy_yaml
-from tests.dataplane.harness import LAYOUTS, RunningGateway, running_gateway
+from tests.dataplane.harness import LAYOUTS, RunningGateway, running_gateway, running_in_layout
 
 pytestmark = pytest.mark.dataplane
 
@@ -46,8 +46,7 @@ def gateway(
     request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[RunningGateway]:
     workdir = tmp_path_factory.mktemp("body-modes")
-    with running_gateway(workdir, _policy, envoy_bootstrap=LAYOUTS[request.param]) as running:
-        running.layout = request.param
+    with running_in_layout(request.param, workdir, _policy) as running:
         yield running
 
 
@@ -125,12 +124,9 @@ def test_a_pause_mid_body_longer_than_the_message_timeout(gateway: RunningGatewa
 
 def _body_mode(mode: str, without_waiting: bool) -> Any:
     def edit(bootstrap: dict[str, Any], _: StackConfig) -> dict[str, Any]:
-        for manager in managers(bootstrap):
-            for http_filter in manager["httpFilters"]:
-                if http_filter["name"] == "extproc.admission":
-                    config = http_filter["typedConfig"]
-                    config["processingMode"]["requestBodyMode"] = mode
-                    config[WITHOUT_WAITING] = without_waiting
+        for config in admission_configs(bootstrap):
+            config["processingMode"]["requestBodyMode"] = mode
+            config[WITHOUT_WAITING] = without_waiting
         return bootstrap
 
     return edit

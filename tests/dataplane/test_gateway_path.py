@@ -9,7 +9,7 @@ import pytest
 import urllib3
 
 from tests.conftest import TEST_KEYS, policy_yaml
-from tests.dataplane.harness import LAYOUTS, RunningGateway, running_gateway
+from tests.dataplane.harness import LAYOUTS, RunningGateway, running_in_layout
 
 pytestmark = pytest.mark.dataplane
 
@@ -22,11 +22,7 @@ def gateway(
 ) -> Iterator[RunningGateway]:
     """Both ways the admission filter can take the body: one round trip and two."""
     workdir = tmp_path_factory.mktemp("gateway")
-    with running_gateway(
-        workdir,
-        lambda short, long_: policy_yaml(short, long_),
-        envoy_bootstrap=LAYOUTS[request.param],
-    ) as running:
+    with running_in_layout(request.param, workdir, policy_yaml) as running:
         yield running
 
 

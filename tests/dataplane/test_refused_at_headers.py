@@ -17,7 +17,7 @@ import orjson
 import pytest
 
 from tests.conftest import policy_yaml
-from tests.dataplane.harness import LAYOUTS, RunningGateway, running_gateway
+from tests.dataplane.harness import LAYOUTS, RunningGateway, running_in_layout
 from tests.dataplane.test_admission import chat, send, settled, wait_for_view
 
 pytestmark = pytest.mark.dataplane
@@ -37,11 +37,7 @@ def gateway(
 ) -> Iterator[RunningGateway]:
     # 12 ms steps: the requests holding the pools stay in flight for seconds
     workdir = tmp_path_factory.mktemp("full-queue")
-    edit = LAYOUTS[request.param]
-    with running_gateway(
-        workdir, full_queue_policy, profile="a100-llama3-8b", envoy_bootstrap=edit
-    ) as running:
-        running.layout = request.param
+    with running_in_layout(request.param, workdir, full_queue_policy, "a100-llama3-8b") as running:
         yield running
 
 
