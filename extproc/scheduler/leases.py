@@ -127,8 +127,10 @@ class Leases:
                 self._steer(pool, lag, objective, objective.first_token, now)
         if held.alone_sample and pool.prefilling_tokens == 0:
             # idle at its admission and still no other prompt in the engine at its first token:
-            # one admitted meanwhile may have shared its prefill step
-            pool.alone.observe_ttft(prompt, ttft)
+            # one admitted meanwhile may have shared its prefill step. Timed from its admission:
+            # a request alone does not wait at the door, and one that waited seconds there (a
+            # backlogged tenant's, held by this very controller) would teach seconds as "alone".
+            pool.alone.observe_ttft(prompt, now - held.lease.admitted_at)
 
     def _submitted_at(self, held: LeaseState) -> float:
         entry = held.entry

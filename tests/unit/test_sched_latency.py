@@ -394,3 +394,30 @@ def test_a_first_token_told_late_is_timed_when_it_passed() -> None:
     assert quiet_ttft_delta(0.3, 0.2) == pytest.approx(on_time)
     assert quiet_ttft_delta(0.3, 0.0) > on_time + 0.15  # told late without its time
     assert quiet_ttft_delta(0.1, -5.0) == pytest.approx(on_time)  # never later than now
+
+
+def test_a_request_that_waited_at_the_door_teaches_alone_its_time_from_admission() -> None:
+    """A backlogged request held at the door for seconds, then admitted into an idle pool, is
+    an alone sample of the engine's part only: timed from its submit it taught the model
+    seconds of "alone", every later lag came out negative and the controller never cut again
+    (the kvwarden-workload sweep of extproc bench frontier, first-token objectives)."""
+    sched, clock = _scheduler()
+    _learn_alone(sched, clock)
+    for i in range(7):
+        assert sched.submit(Ticket(f"f{i}", "flood", "p", 100, 100)) is None
+    flood = sched.dispatch()
+    assert len(flood) == 6  # the seventh waits at the door
+    clock.advance(2.0)
+    for admission in flood:
+        sched.first_token(admission.lease.lease_id)
+        sched.release(admission.lease.lease_id)
+    (waited,) = sched.dispatch()  # into an idle pool: an alone candidate
+    clock.advance(0.05)
+    sched.first_token(waited.lease.lease_id)
+    sched.release(waited.lease.lease_id)
+    assert sched.snapshot()["pools"]["p"]["alone"]["ttft_samples"] == 4
+    quiet = _one(sched, "q", "quiet")
+    clock.advance(0.3)
+    sched.first_token(quiet.lease.lease_id)
+    snapshot = sched.snapshot()
+    assert snapshot["tenants"]["quiet"]["latency_delta"]["ttft"]["mean_s"] == pytest.approx(0.25)
