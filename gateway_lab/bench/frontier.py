@@ -21,6 +21,10 @@ capacity (9 requests/s by default), prompts uniform in 512..1,536 tokens and out
 * `steps-N`: the same on an engine with smaller steps (`max_num_batched_tokens`,
   `--step-tokens`).
 
+`--workload kvwarden` is kvwarden's published load (below, `KVWARDEN`): FIFO, kvwarden's bucket,
+door limits, the service's default capacity (`default`) and the same paced at B prompt tokens
+(`paced-B`, `--kvwarden-budgets`), and first-token objectives.
+
 `--workload over` is issue 16's `over` load (the flooder at 48 requests/s x 256 tokens, above
 what the engine's batch runs) with the service's default capacity, the adaptive soft limit
 fed the engine's own counts (gateway_lab/sim/engine_limits.py), and first-token objectives on
@@ -130,6 +134,8 @@ KVWARDEN_BUCKET = "{requests_per_minute: 600, requests_burst: 10, max_queued: 10
 """kvwarden 0.1.6's hero configuration: a per-tenant bucket of 600 requests/min, burst 10."""
 KVWARDEN_LIMITS = (8, 12, 16, 24, 32, 48, 64)
 KVWARDEN_FIRST_TOKEN = ("10ms", "20ms", "30ms")
+KVWARDEN_BUDGETS = (14, 28)
+"""Prefill budgets of kvwarden's workload: one and two of its flooder's 14-token prompts."""
 TARGET_KVWARDEN_P99_RATIO = 1.10
 TARGET_KVWARDEN_FLOODER_MULTIPLE = 2.0
 
@@ -274,14 +280,19 @@ def points(
     return out
 
 
-def kvwarden_points(limits: Sequence[int], first_token: Sequence[str]) -> list[Point]:
+def kvwarden_points(
+    limits: Sequence[int], first_token: Sequence[str], budgets: Sequence[int] = ()
+) -> list[Point]:
     """FIFO, kvwarden's bucket on the flooder (as in front of FIFO: no door limit, the
-    engine first come, first served), door limits, and first-token objectives on the largest
-    limit (the live `room-first-D` arms)."""
+    engine first come, first served), door limits, the service's default capacity (the live
+    `room-full` arm) alone and paced at each of `budgets` prompt tokens (`room-paced-B`),
+    and first-token objectives on the largest limit (the live `room-first-D` arms)."""
     top = max(limits)
     bucket = Point("bucket", "kvwarden's bucket", None, flooder_limits=KVWARDEN_BUCKET)
     out = [Point("fifo", "fifo", None), bucket]
     out += [Point(f"door-{n}", "door limit", n) for n in limits]
+    out += [Point("default", "default policy, paced", None, adaptive=True)]
+    out += [Point(f"paced-{b}", "default policy, paced", None, b, adaptive=True) for b in budgets]
     out += [
         Point(f"first-{d}", f"first-token objective (limit {top})", top,
               latency_delta=f"{{first_token: {d}}}")
@@ -491,6 +502,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="prompt tokens prefilling of the paced-N points (0: no paced curve)",
     )  # fmt: skip
     parser.add_argument(
+        "--kvwarden-budgets", default=",".join(str(b) for b in KVWARDEN_BUDGETS),
+        help="prefill budgets of kvwarden's workload's paced-B points: the default policy "
+        "paced at B prompt tokens (default %(default)s; '' none)",
+    )  # fmt: skip
+    parser.add_argument(
         "--step-tokens", default="512",
         help="engine max_num_batched_tokens of the stepsT-N curves (comma-separated; '' none)",
     )  # fmt: skip
@@ -528,7 +544,8 @@ def main(args: argparse.Namespace) -> int:
     if not limits or any(n < 1 for n in [*limits, *steps]):
         raise SystemExit("--limits needs at least one; --limits and --step-tokens are positive")
     swept = (
-        kvwarden_points(limits, listed(args.first_token_deltas or ",".join(KVWARDEN_FIRST_TOKEN)))
+        kvwarden_points(limits, listed(args.first_token_deltas or ",".join(KVWARDEN_FIRST_TOKEN)),
+                        [int(b) for b in listed(args.kvwarden_budgets)])
         if kvwarden
         else over_points(listed(args.first_token_deltas or ",".join(OVER_FIRST_TOKEN)))
         if args.workload == "over"

@@ -67,6 +67,7 @@ from gateway_lab.bench.self_overload_arms import (
     delta_arms,
     door_arms,
     lua_arms,
+    paced_arms,
     policy_text,
 )
 from gateway_lab.bench.stack import PROFILE, Gateway, engine_set, gateway_stack
@@ -157,7 +158,7 @@ def front(arm: Arm, workdir: Path, endpoint: str, kvwarden_venv: Path) -> Iterat
     env = None if arm.source is None else revisions.tree_env(arm.source)
     with gateway_stack(
         workdir / arm.name,
-        policy_text(endpoint, arm.latency_delta, arm.door_limit),
+        policy_text(endpoint, arm.latency_delta, arm.door_limit, arm.prefill_budget),
         FRONTS[arm.front],
         bootstrap_edit=edit,
         accounting_process=arm.accounting_process,
@@ -523,6 +524,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "kvwarden`)",
     )  # fmt: skip
     parser.add_argument(
+        "--prefill-budgets", default="14",
+        help="prefill budgets of the room-paced-B arms (default %(default)s: one flooder "
+        "prompt, where `extproc bench frontier --workload kvwarden` meets issue 15's target)",
+    )  # fmt: skip
+    parser.add_argument(
         "--before", metavar="REV",
         help="also offer the arms room-before, over-before and <D-arm>-before for each "
         "objective arm: the service of git revision REV",
@@ -557,7 +563,8 @@ def main(args: argparse.Namespace) -> int:
     objectives = delta_arms(listed(args.first_token_deltas), listed(args.tail_deltas),
                             args.tail_quantile)  # fmt: skip
     every = (*ARMS, *objectives, *lua_arms(objectives),
-             *door_arms([int(n) for n in listed(args.door_limits)]))  # fmt: skip
+             *door_arms([int(n) for n in listed(args.door_limits)]),
+             *paced_arms([int(b) for b in listed(args.prefill_budgets)]))  # fmt: skip
     if args.before:
         source = revisions.tree_of_rev(args.before, scenario.workdir_of(args) / "before-src")
         every = (*every, *before_arms(source, objectives))

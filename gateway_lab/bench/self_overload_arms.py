@@ -38,6 +38,9 @@ class Arm:
     count_in_envoy: bool = False
     """Envoy counts and tells the service (`serve --envoy-events`, extproc.envoy_lua): no
     accounting streams at all (`-lua` arms)."""
+    prefill_budget: int | None = None
+    """The pool's `prefill_budget_tokens` (`room-paced-B`: backlogged tenants wait while B
+    prompt tokens are being prefilled)."""
     one_round_trip: bool = False
     """The admission filter streams the body without waiting for the headers reply (`-1trip`
     arms, `envoy render --one-round-trip`: gateway_lab.bench.trips)."""
@@ -108,6 +111,18 @@ def door_arms(limits: Sequence[int]) -> tuple[Arm, ...]:
     return tuple(Arm(f"room-door-{n}", "service", "room", door_limit=n) for n in limits)
 
 
+def paced_arms(budgets: Sequence[int]) -> tuple[Arm, ...]:
+    """`room-paced-B` and `room-paced-B-lua`: the room load, our default policy with
+    `prefill_budget_tokens: B` (the point `extproc bench frontier --workload kvwarden` finds
+    with B one flooder prompt)."""
+    return tuple(
+        Arm(f"room-paced-{b}{suffix}", "service", "room", prefill_budget=b,
+            count_in_envoy=bool(suffix))
+        for b in budgets
+        for suffix in ("", "-lua")
+    )  # fmt: skip
+
+
 def before_arms(source: Path, objective_arms: Sequence[Arm] = ()) -> tuple[Arm, ...]:
     """`room-before`, `over-before` and, for each of `objective_arms`, `<its name>-before`:
     the service of another revision (`--before REV`), with the same policy."""
@@ -129,10 +144,13 @@ def compiled_arms(source: Path) -> tuple[Arm, ...]:
 
 
 def policy_text(
-    endpoint: str, latency_delta: str | None = None, door_limit: int | None = None
+    endpoint: str,
+    latency_delta: str | None = None,
+    door_limit: int | None = None,
+    prefill_budget: int | None = None,
 ) -> str:
     """Our full policy: the defaults (DRR, headroom, adaptive soft limit, overload shedding),
-    and a δ objective, or a static soft limit, if given."""
+    and a δ objective, a static soft limit or a prefill budget, if given."""
     objective = (
         f"tier_options: {{standard: {{latency_delta: {latency_delta}}}}}\n" if latency_delta else ""
     )
@@ -142,6 +160,8 @@ def policy_text(
         else f"max_inflight: {door_limit + DOOR_HEADROOM}, headroom: {DOOR_HEADROOM},\n"
         "          adaptive: {enabled: false}"
     )
+    if prefill_budget is not None:
+        capacity += f", prefill_budget_tokens: {prefill_budget}"
     return f"""\
 version: 1
 tiers: [standard]

@@ -81,8 +81,12 @@ def test_a_door_limit_trades_throughput_for_the_quiet_tail(tmp_path: Path) -> No
 
 
 def test_kvwardens_bucket_is_a_flooder_rate_limit_and_its_target_reads_the_flooder() -> None:
-    swept = kvwarden_points([16], ["20ms"])
-    assert [p.name for p in swept] == ["fifo", "bucket", "door-16", "first-20ms"]
+    swept = kvwarden_points([16], ["20ms"], [14])
+    names = ["fifo", "bucket", "door-16", "default", "paced-14", "first-20ms"]
+    assert [p.name for p in swept] == names
+    paced = policy_from_text(policy_text(swept[4])).source.pools["p"]
+    assert paced.adaptive_enabled and paced.effective_prefill_budget == 14
+    assert policy_from_text(policy_text(swept[3])).source.pools["p"].effective_prefill_budget == 0
     bucket = policy_from_text(policy_text(swept[1])).source.tenants["flooder"].limits
     assert bucket.requests_per_minute == 600 and bucket.requests_burst == 10
     assert swept[1].flooder_limits == KVWARDEN_BUCKET and KVWARDEN.flooder_rate == 32.0

@@ -33,7 +33,7 @@ from gateway_lab.bench.self_overload import (
     policy_text,
     summarize,
 )
-from gateway_lab.bench.self_overload_arms import before_arms, door_arms, lua_arms
+from gateway_lab.bench.self_overload_arms import before_arms, door_arms, lua_arms, paced_arms
 from gateway_lab.bench.stack import cpu_seconds
 from gateway_lab.processes import envoy_binary
 
@@ -239,6 +239,18 @@ def test_door_arms_hold_a_static_soft_limit() -> None:
     assert pool.adaptive is not None and pool.adaptive.enabled is False
     default = next(iter(policy_from_text(policy_text("127.0.0.1:1")).source.pools.values()))
     assert default.max_inflight == 512 and default.adaptive is None
+
+
+def test_paced_arms_run_the_default_capacity_with_a_prefill_budget() -> None:
+    names = [(a.name, a.count_in_envoy) for a in paced_arms([14])]
+    assert names == [("room-paced-14", False), ("room-paced-14-lua", True)]
+    arm = paced_arms([14])[0]
+    policy = policy_from_text(
+        policy_text("127.0.0.1:1", arm.latency_delta, arm.door_limit, arm.prefill_budget)
+    )
+    pool = next(iter(policy.source.pools.values()))
+    assert pool.effective_prefill_budget == 14
+    assert pool.max_inflight == 512 and pool.adaptive is None
 
 
 def test_the_floods_onset_is_summarized_apart_from_what_follows() -> None:
