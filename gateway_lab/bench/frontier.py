@@ -134,8 +134,9 @@ KVWARDEN_BUCKET = "{requests_per_minute: 600, requests_burst: 10, max_queued: 10
 """kvwarden 0.1.6's hero configuration: a per-tenant bucket of 600 requests/min, burst 10."""
 KVWARDEN_LIMITS = (8, 12, 16, 24, 32, 48, 64)
 KVWARDEN_FIRST_TOKEN = ("10ms", "20ms", "30ms")
-KVWARDEN_BUDGETS = (14, 28)
-"""Prefill budgets of kvwarden's workload: one and two of its flooder's 14-token prompts."""
+KVWARDEN_BUDGETS = (1, 28)
+"""Prefill budgets of kvwarden's workload: 1, one backlogged prompt in prefill at a time (any
+prompt reaches it), and two of its flooder's 14-token prompts."""
 TARGET_KVWARDEN_P99_RATIO = 1.10
 TARGET_KVWARDEN_FLOODER_MULTIPLE = 2.0
 

@@ -524,9 +524,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "kvwarden`)",
     )  # fmt: skip
     parser.add_argument(
-        "--prefill-budgets", default="14",
-        help="prefill budgets of the room-paced-B arms (default %(default)s: one flooder "
-        "prompt, where `extproc bench frontier --workload kvwarden` meets issue 15's target)",
+        "--prefill-budgets", default="1",
+        help="prefill budgets of the room-paced-B arms (default %(default)s: one backlogged "
+        "prompt in prefill at a time, where `extproc bench frontier --workload kvwarden` meets "
+        "issue 15's target)",
     )  # fmt: skip
     parser.add_argument(
         "--before", metavar="REV",
