@@ -112,12 +112,13 @@ def door_arms(limits: Sequence[int]) -> tuple[Arm, ...]:
 
 
 def paced_arms(budgets: Sequence[int]) -> tuple[Arm, ...]:
-    """`room-paced-B` and `room-paced-B-lua`: the room load, our default policy with
-    `prefill_budget_tokens: B` (the point `extproc bench frontier --workload kvwarden` finds
-    with B one flooder prompt)."""
+    """`room-paced-B`, `over-paced-B` and each as `-lua`: our default policy with
+    `prefill_budget_tokens: B` (B = 1: one backlogged prompt in prefill at a time, the point
+    `extproc bench frontier --workload kvwarden` finds)."""
     return tuple(
-        Arm(f"room-paced-{b}{suffix}", "service", "room", prefill_budget=b,
+        Arm(f"{load}-paced-{b}{suffix}", "service", load, prefill_budget=b,
             count_in_envoy=bool(suffix))
+        for load in ("room", "over")
         for b in budgets
         for suffix in ("", "-lua")
     )  # fmt: skip
