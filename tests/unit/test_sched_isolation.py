@@ -95,6 +95,27 @@ def test_prefill_budget_paces_backlogged_tenants_until_first_tokens() -> None:
     assert sched.snapshot()["pools"]["p"]["prefilling_tokens"] == 300
 
 
+def test_a_budget_of_one_lets_one_backlogged_prompt_prefill_at_a_time() -> None:
+    """`prefill_budget_tokens: 1`, the point that holds kvwarden's workload: whatever the
+    prompts' size, the next backlogged request goes in when no other prompt is in prefill,
+    never two together (docs/benchmarks.md, "Paced at one prompt"); a light tenant's is not
+    held but counts."""
+    sched = Scheduler(_policy("prefill_budget_tokens: 1"), ManualClock(0.0))
+    _submit(sched, *(_ticket(f"f{i}", "flood", prompt=5 + 40 * i) for i in range(4)))
+    order = []
+    for _ in range(4):
+        (admission,) = sched.dispatch()
+        order.append(admission.ticket.request_id)
+        quiet = _ticket(f"q{len(order)}", "quiet", prompt=14)
+        _submit(sched, quiet)
+        (light,) = sched.dispatch()  # not paced
+        assert light.ticket.request_id == quiet.request_id
+        assert sched.first_token(admission.lease.lease_id)
+        assert sched.dispatch() == []  # the quiet prompt is still in prefill
+        assert sched.first_token(light.lease.lease_id)
+    assert order == ["f0", "f1", "f2", "f3"]
+
+
 def test_a_chunk_of_output_ends_the_prefill_as_a_first_token_does() -> None:
     sched = Scheduler(_policy("prefill_budget_tokens: 150"), ManualClock(0.0))
     _submit(sched, *(_ticket(f"f{i}", "flood") for i in range(3)))
