@@ -16,8 +16,10 @@ from gateway_lab.bench.frontier import (
     OVER,
     Point,
     Workload,
+    arrival_groups,
     engine_profile,
     kvwarden_points,
+    measure,
     over_points,
     points,
     policy_text,
@@ -136,3 +138,34 @@ def test_above_capacity_the_default_policy_keeps_the_quiet_tenant_out_of_the_que
     summary = report["summary"]
     assert summary["met"] == (rows["default"]["ttft_p99_x"] <= 2.0)
     assert ("default" in summary["points_within"]) == summary["met"]
+
+
+def test_arrival_groups_count_the_flooder_requests_reaching_the_engine_together() -> None:
+    def at(engine_at: float | None) -> RequestRecord:
+        record = RequestRecord(0, "r", "flooder", 0.0, 14, 64, 64)
+        record.engine_at = engine_at
+        return record
+
+    # a group of 4 and one of 3 at the same instants, 3 alone, one outside the window, one
+    # that never reached the engine
+    times = [1.0] * 4 + [2.5] * 3 + [3.0, 3.1, 3.2, 9.0, None]
+    found = arrival_groups([at(t) for t in times], 0.0, 5.0)
+    assert found == {"flooder_grouped_share": 0.7, "flooder_largest_group": 4}
+    assert arrival_groups([at(t) for t in times], 0.0, 5.0, least=4)["flooder_grouped_share"] == 0.4
+    assert arrival_groups([], 0.0, 5.0) == {
+        "flooder_grouped_share": 0.0,
+        "flooder_largest_group": 0,
+    }
+
+
+def test_a_binding_door_limit_groups_the_flooder_and_pacing_does_not() -> None:
+    """kvwarden's workload, 40 simulated seconds: with a door limit of 24 the requests that
+    finish in one engine step free their slots together and the queued ones go in together;
+    paced at one prompt they go one by one."""
+    work = replace(KVWARDEN, flooder_start_s=2.0, warmup_s=10.0, measure_s=30.0, grace_s=2.0)
+    fifo = measure(Point("fifo", "fifo", None), work, 7)
+    door = measure(Point("door-24", "door limit", 24), work, 7)
+    paced = measure(Point("paced-1", "paced", None, 1, adaptive=True), work, 7)
+    assert fifo["flooder_grouped_share"] == 0.0  # Poisson arrivals
+    assert door["flooder_grouped_share"] > 0.05 and door["flooder_largest_group"] >= 3
+    assert paced["flooder_largest_group"] == 1
