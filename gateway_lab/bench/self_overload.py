@@ -506,7 +506,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--arms",
         help=f"comma-separated subset of {[a.name for a in ARMS]}, room-first-D and "
         "over-first-D for each D of --first-token-deltas, room-tail-D and over-tail-D for "
-        "each D of --tail-deltas (each also as ...-lua, counting in Envoy)",
+        "each D of --tail-deltas (each also as ...-lua, counting in Envoy), room-paced-B and "
+        "over-paced-B for each B of --prefill-budgets (also as ...-lua)",
     )
     parser.add_argument(
         "--first-token-deltas", default=",".join(DEFAULT_FIRST_TOKEN_DELTAS),
@@ -525,9 +526,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )  # fmt: skip
     parser.add_argument(
         "--prefill-budgets", default="1",
-        help="prefill budgets of the room-paced-B arms (default %(default)s: one backlogged "
-        "prompt in prefill at a time, where `extproc bench frontier --workload kvwarden` meets "
-        "issue 15's target)",
+        help="prefill budgets of the room-paced-B and over-paced-B arms (default %(default)s: one "
+        "backlogged prompt in prefill at a time, where `extproc bench frontier --workload "
+        "kvwarden` meets issue 15's target)",
     )  # fmt: skip
     parser.add_argument(
         "--before", metavar="REV",

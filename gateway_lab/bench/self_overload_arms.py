@@ -98,11 +98,9 @@ def delta_arms(
     )
 
 
-def lua_arms(objective_arms: Sequence[Arm]) -> tuple[Arm, ...]:
-    """`<name>-lua` for each of `objective_arms`: the same objective, counting in Envoy."""
-    return tuple(
-        replace(arm, name=f"{arm.name}-lua", count_in_envoy=True) for arm in objective_arms
-    )
+def lua_arms(arms: Sequence[Arm]) -> tuple[Arm, ...]:
+    """`<name>-lua` for each of `arms`: the same arm, counting in Envoy."""
+    return tuple(replace(arm, name=f"{arm.name}-lua", count_in_envoy=True) for arm in arms)
 
 
 def door_arms(limits: Sequence[int]) -> tuple[Arm, ...]:
@@ -115,13 +113,12 @@ def paced_arms(budgets: Sequence[int]) -> tuple[Arm, ...]:
     """`room-paced-B`, `over-paced-B` and each as `-lua`: our default policy with
     `prefill_budget_tokens: B` (B = 1: one backlogged prompt in prefill at a time, the point
     `extproc bench frontier --workload kvwarden` finds)."""
-    return tuple(
-        Arm(f"{load}-paced-{b}{suffix}", "service", load, prefill_budget=b,
-            count_in_envoy=bool(suffix))
+    paced = tuple(
+        Arm(f"{load}-paced-{b}", "service", load, prefill_budget=b)
         for load in ("room", "over")
         for b in budgets
-        for suffix in ("", "-lua")
-    )  # fmt: skip
+    )
+    return (*paced, *lua_arms(paced))
 
 
 def before_arms(source: Path, objective_arms: Sequence[Arm] = ()) -> tuple[Arm, ...]:

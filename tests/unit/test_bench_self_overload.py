@@ -244,8 +244,8 @@ def test_door_arms_hold_a_static_soft_limit() -> None:
 def test_paced_arms_run_the_default_capacity_with_a_prefill_budget() -> None:
     names = [(a.name, a.load, a.count_in_envoy) for a in paced_arms([14])]
     assert names == [
-        ("room-paced-14", "room", False), ("room-paced-14-lua", "room", True),
-        ("over-paced-14", "over", False), ("over-paced-14-lua", "over", True),
+        ("room-paced-14", "room", False), ("over-paced-14", "over", False),
+        ("room-paced-14-lua", "room", True), ("over-paced-14-lua", "over", True),
     ]  # fmt: skip
     arm = paced_arms([14])[0]
     policy = policy_from_text(
