@@ -141,7 +141,8 @@ class Dispatcher:
     def backlog_paced(self, pool: PoolState) -> bool:
         """Backlogged tenants wait now: the pool's prefilling prompt tokens reached its
         prefill budget, or its in-flight requests the δ controller's share of the soft limit
-        (both scaled by the controller's factor; extproc.scheduler.latency)."""
+        (both scaled by the controller's factor), or, in a pool without a budget, its
+        prefilling prompts the controller's share (extproc.scheduler.latency)."""
         spec = self._live.policy.pools.get(pool.name)
         if spec is None:
             return False
@@ -152,6 +153,8 @@ class Dispatcher:
         if delta.factor < 1.0:
             capacity = pool.capacity
             soft = capacity.inflight + capacity.free_slots()
+            if not budget and pool.prefilling_requests >= delta.prefilling_limit(soft):
+                return True
             return capacity.inflight >= delta.limit(soft)
         return False
 

@@ -20,7 +20,8 @@ request's submit, so the simulator drives the same code.
 * *Controller* (`DeltaController`, per pool): a factor f in [`MIN_FACTOR`, 1] on the
   backlogged tenants' part of the pool: they are dispatched only while the pool's in-flight
   requests are below f x its soft limit and its prefilling prompt tokens below f x its prefill
-  budget. A light tenant's tier names what it watches (`LatencyDelta` in
+  budget (in a pool without one, its prompts prefilling at once below f ** `PACING_EXPONENT` x
+  its soft limit). A light tenant's tier names what it watches (`LatencyDelta` in
   extproc/policy/model.py): the TTFT δ against `first_token`, the k-th token's lag against
   `every_token`, each gap's δ against `token_gap`. A sample above its objective cuts f by
   `DECREASE` (at most once per `COOLDOWN_S`); one below half its objective raises it by
@@ -61,6 +62,13 @@ COOLDOWN_S = 0.5
 INCREASE_PER_S = 0.2
 MAX_INCREASE_STEP_S = 0.5
 """A longer quiet spell raises the factor as if it lasted this long (no jump after idle)."""
+PACING_EXPONENT = 4
+"""In a pool without a prefill budget the controller paces too: backlogged tenants wait while
+the pool's prompts prefilling at once reach f ** 4 of the soft limit (one cut: a quarter;
+three: one prompt). A binding in-flight limit alone lets the queued flooder refill the slots
+that free together, and those prompts prefill in one step beside the light tenant's; steeper
+than f so the groups go first, and continuous so lifting the cut does not admit a group at
+once."""
 QUANTILE_GAIN = 0.5
 """The quantile rule's gain on ln f per window: at q = 0.99 a window of late samples cuts f
 by ~40% and a window without one raises it by ~0.5% (1% a second). The time to settle is
@@ -233,3 +241,11 @@ class DeltaController:
         if self.factor >= 1.0:
             return full
         return max(1, int(full * self.factor))
+
+    def prefilling_limit(self, soft: int) -> int:
+        """Prompts prefilling at once (any tenant's) up to which a backlogged tenant may add
+        one, in a pool without a prefill budget: f ** `PACING_EXPONENT` of its soft limit,
+        at least 1."""
+        if self.factor >= 1.0:
+            return soft
+        return max(1, int(soft * self.factor**PACING_EXPONENT))

@@ -42,6 +42,7 @@ class Leases:
         pool.capacity.acquire(budget)
         prefilling = ticket.input_tokens if ticket.streamed else 0
         pool.prefilling_tokens += prefilling
+        pool.prefilling_requests += prefilling > 0
         used = pool.users.get(state.name)
         if used is None:
             used = pool.users[state.name] = PoolUsage()
@@ -113,6 +114,7 @@ class Leases:
         if pool is None:
             return
         pool.prefilling_tokens -= held.prefilling
+        pool.prefilling_requests -= held.prefilling > 0
         held.prefilling = 0
         if not held.ticket.streamed:
             return  # its first byte comes with its last token: no TTFT to learn from
@@ -280,6 +282,7 @@ class Leases:
         pool.capacity.release(lease.budget)
         pool.reserve_inflight -= held.reserve
         pool.prefilling_tokens -= held.prefilling
+        pool.prefilling_requests -= held.prefilling > 0
         held.prefilling = 0
         live.locality.finished(lease.pool, lease.replica)
         used = pool.users.get(lease.tenant)

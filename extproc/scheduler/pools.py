@@ -46,6 +46,7 @@ class PoolState:
         "drain",
         "held",
         "name",
+        "prefilling_requests",
         "prefilling_tokens",
         "queued_tokens",
         "reserve_inflight",
@@ -75,6 +76,7 @@ class PoolState:
         self._weight_total: tuple[int, object, float] | None = None
         """(active_changes, policy, summed weight of the active tenants) last computed."""
         self.prefilling_tokens = 0
+        self.prefilling_requests = 0
         self.reserve_inflight = 0
         """Leases admitted above a hard limit cut below what was in flight (at most the
         capacity's headroom at once; `Capacity.fits_reserve`)."""

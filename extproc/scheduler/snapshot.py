@@ -55,6 +55,8 @@ def snapshot(live: Live, now: float, reclaimed_leases: int) -> dict[str, Any]:
             "prefilling_tokens": pool.prefilling_tokens,
             "reserve_inflight": pool.reserve_inflight,
             "prefill_budget_tokens": _prefill_budget(live, name),
+            "prefilling_requests": pool.prefilling_requests,
+            "prefilling_limit": _prefilling_limit(live, name),
             "delta_factor": pool.delta.factor,
             "delta_violations": pool.delta.violations,
             "alone": pool.alone.describe(),
@@ -77,3 +79,14 @@ def _prefill_budget(live: Live, pool: str) -> int | None:
     spec = live.policy.pools.get(pool)
     budget = 0 if spec is None else spec.effective_prefill_budget
     return live.pools[pool].delta.limit(budget) if budget else None
+
+
+def _prefilling_limit(live: Live, pool: str) -> int | None:
+    """The prompts the δ controller lets prefill at once in a pool without a prefill budget
+    while it has cut (extproc.scheduler.latency.PACING_EXPONENT); None: not pacing."""
+    spec = live.policy.pools.get(pool)
+    state = live.pools[pool]
+    if spec is None or spec.effective_prefill_budget or state.delta.factor >= 1.0:
+        return None
+    capacity = state.capacity
+    return state.delta.prefilling_limit(capacity.inflight + capacity.free_slots())

@@ -15,6 +15,7 @@ from extproc.scheduler.latency import (
     COOLDOWN_S,
     DECREASE,
     MIN_FACTOR,
+    PACING_EXPONENT,
     QUANTILE_GAIN,
     DeltaController,
 )
@@ -68,13 +69,62 @@ def test_ttft_delta_is_published_and_a_violation_tightens_the_backlogged_share()
     assert snapshot["tenants"]["flood"]["latency_delta"] is None  # no first token yet
     pool = snapshot["pools"]["p"]
     assert pool["delta_factor"] == pytest.approx(DECREASE) and pool["delta_violations"] == 1
-    # backlogged requests now go only below 0.7 x the soft limit of 6: 4 in flight
+    # backlogged requests now go only below 0.7 x the soft limit of 6: 4 in flight (and
+    # once their prompts have prefilled: the next test)
     for admission in flood[:3]:
         sched.release(admission.lease.lease_id)
+    for admission in flood[3:]:
+        sched.first_token(admission.lease.lease_id)
     assert sched.dispatch() == []  # 3 flood + quiet = 4
     sched.release(flood[3].lease.lease_id)
     assert [a.ticket.tenant for a in sched.dispatch()] == ["flood"]
     assert sched.dispatch() == []
+
+
+def test_a_cut_pool_without_a_prefill_budget_paces_the_backlogged_prompts() -> None:
+    """Below f = 1 the backlogged tenants' prompts prefilling at once are held to f ** 4 of the
+    soft limit: the flood's queued requests no longer reach the engine together."""
+    sched, clock = _scheduler()
+    _learn_alone(sched, clock)
+    for i in range(40):
+        assert sched.submit(Ticket(f"f{i}", "flood", "p", 100, 100)) is None
+    flood = sched.dispatch()
+    assert len(flood) == 6  # uncut: six prompts prefill together
+    pool = sched.snapshot()["pools"]["p"]
+    assert pool["prefilling_requests"] == 6 and pool["prefilling_limit"] is None
+    quiet = _one(sched, "q", "quiet")
+    clock.advance(0.3)
+    sched.first_token(quiet.lease.lease_id)  # late: one cut, f = 0.7
+    sched.release(quiet.lease.lease_id)
+    for admission in flood:
+        sched.first_token(admission.lease.lease_id)
+        sched.release(admission.lease.lease_id)
+    assert PACING_EXPONENT == 4 and int(6 * DECREASE**4) == 1
+    pool = sched.snapshot()["pools"]["p"]
+    assert pool["prefilling_requests"] == 0 and pool["prefilling_limit"] == 1
+    # the in-flight share (4 of 6) would let four go at once; one prompt at a time does
+    admitted = []
+    for _ in range(4):
+        (admission,) = sched.dispatch()
+        assert admission.ticket.tenant == "flood" and sched.dispatch() == []
+        admitted.append(admission)
+        sched.first_token(admission.lease.lease_id)  # its prompt prefilled: the next goes
+    assert sched.dispatch() == []  # now the in-flight share binds: 4 in flight
+    # slack opens the factor up again (0.1 per half second); at 1 the pacing goes with the cut
+    for step in range(4):
+        clock.advance(0.45)
+        assert sched.submit(Ticket(f"slack{step}", "quiet", "p", 100, 100)) is None
+        batch = sched.dispatch()
+        admitted += [a for a in batch if a.ticket.tenant == "flood"]
+        (quiet,) = [a for a in batch if a.ticket.tenant == "quiet"]
+        clock.advance(0.05)
+        sched.first_token(quiet.lease.lease_id)
+        sched.release(quiet.lease.lease_id)
+    pool = sched.snapshot()["pools"]["p"]
+    assert pool["delta_factor"] == 1.0 and pool["prefilling_limit"] is None
+    for admission in admitted:
+        sched.release(admission.lease.lease_id)
+    assert len(sched.dispatch()) == 6  # the soft limit, six prompts at once again
 
 
 def test_a_backlogged_tenants_own_lag_does_not_steer() -> None:
