@@ -34,7 +34,7 @@ from gateway_lab.bench.cores import descendants, engines_apart, group_cpu, split
 from gateway_lab.bench.loadgen import Load, open_loop
 from gateway_lab.bench.monitor import log, wait_engines_idle
 from gateway_lab.bench.records import Meter, Record
-from gateway_lab.bench.self_overload import Timing, Workload, maker
+from gateway_lab.bench.self_overload_load import Timing, Workload, maker
 from gateway_lab.bench.stack import engine_set
 from gateway_lab.bench.stats import fmt, ttft_stats, within
 from gateway_lab.engine.timeline import STEP_CLOCKS

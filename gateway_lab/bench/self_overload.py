@@ -14,7 +14,9 @@ accounting streams in their own process (`serve --accounting-grpc`; the `-inproc
 them on the admission process's event loop, the layout before, side by side; the `-lua` arms
 have Envoy count and tell the service instead, `serve --envoy-events`, extproc.envoy_lua;
 the `-1trip` arms stream the request body without waiting for the headers reply, `envoy
-render --one-round-trip`, gateway_lab.bench.trips).
+render --one-round-trip`, gateway_lab.bench.trips); an `-apart` arm sends the flood from a
+process of its own, so the quiet tenant's client does not read the flood's streams
+(gateway_lab.bench.self_overload_load).
 
 Per arm: the quiet tenant's time to the first streamed chunk (P50/P99, their ratio to the
 quiet tenant alone straight to the engine: "solo"), its failed requests, the flooder's answers
@@ -33,14 +35,11 @@ import asyncio
 import contextlib
 import math
 import os
-import random
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
-
-import orjson
 
 from gateway_lab.bench import phases, quiet_path, reply_probe, revisions, scenario, trips
 from gateway_lab.bench.cores import (
@@ -55,13 +54,14 @@ from gateway_lab.bench.kvwarden_front import DEFAULT_VENV, kvwarden_front
 from gateway_lab.bench.loadgen import Load, open_loop
 from gateway_lab.bench.monitor import log, wait_engines_idle
 from gateway_lab.bench.noisy_isolation import add_tail_quantile_argument, listed, prime_alone
-from gateway_lab.bench.records import RECORD_COLUMNS, Meter, Record, Spec
+from gateway_lab.bench.records import RECORD_COLUMNS, Meter, Record
 from gateway_lab.bench.self_overload_arms import (
     ARMS,
     DEFAULT_FIRST_TOKEN_DELTAS,
     DEFAULT_TAIL_DELTAS,
     KEYS,
     Arm,
+    apart_arms,
     before_arms,
     compiled_arms,
     delta_arms,
@@ -70,12 +70,18 @@ from gateway_lab.bench.self_overload_arms import (
     paced_arms,
     policy_text,
 )
+from gateway_lab.bench.self_overload_load import (
+    MODEL,
+    Flood,
+    Timing,
+    Workload,
+    maker,
+)
 from gateway_lab.bench.stack import PROFILE, Gateway, engine_set, gateway_stack
 from gateway_lab.bench.stats import fmt, status_counts, ttft_stats, within
 
 NAME = "self-overload"
 DEFAULT_OUT = Path("results/self-overload")
-MODEL = "bench"
 FRONTS = {"straight": "straight", "noop": "noop", "service": "extproc"}
 """Fronts run by Envoy, and `gateway_stack`'s name for each (kvwarden runs alone)."""
 
@@ -83,68 +89,6 @@ TARGET_ADDED_P50_MS = 1.0
 TARGET_ADDED_P99_MS = 3.0
 TARGET_ROOM_OF_FIFO = 1.1
 TARGET_OVER_P99_RATIO = 2.0
-
-
-@dataclass(frozen=True)
-class Workload:
-    quiet_rate: float = 1.0
-    quiet_output: int = 64
-    room_rate: float = 32.0
-    room_output: int = 64
-    over_rate: float = 48.0
-    over_output: int = 256
-    prompt_words: int = 12
-    """One-line prompts."""
-
-    def flood(self, load: str) -> tuple[float, int]:
-        return (self.room_rate, self.room_output) if load == "room" else (
-            self.over_rate, self.over_output
-        )  # fmt: skip
-
-
-@dataclass(frozen=True)
-class Timing:
-    measure_s: float = 30.0
-    warmup_s: float = 3.0
-    grace_s: float = 10.0
-
-    @classmethod
-    def quick(cls) -> Timing:
-        return cls(4.0, 1.0, 3.0)
-
-
-@dataclass(frozen=True, slots=True)
-class CompletionSpec(Spec):
-    include_usage: bool = False
-
-    def body(self) -> bytes:
-        body: dict[str, Any] = {
-            "model": MODEL,
-            "prompt": self.prompt,
-            "max_tokens": self.max_tokens,
-            "ignore_eos": True,
-            "stream": True,
-        }
-        if self.include_usage:
-            body["stream_options"] = {"include_usage": True}
-        return orjson.dumps(body)
-
-
-def maker(tenant: str, output: int, work: Workload, seed: int, usage: bool) -> Any:
-    rng = random.Random(seed)
-    words = ("tell", "me", "a", "story", "about", "the", "sea", "and", "a", "ship", "at", "dawn")
-    prompts = [
-        " ".join(rng.choice(words) for _ in range(work.prompt_words)) + "." for _ in range(16)
-    ]
-    headers = {"x-tenant-id": tenant, "x-bench-tenant": tenant}
-
-    def make(index: int) -> Spec:
-        return CompletionSpec(
-            tenant, KEYS[tenant], prompts[index % 16], work.prompt_words + 2, output, headers,
-            include_usage=usage,
-        )  # fmt: skip
-
-    return make
 
 
 @contextlib.contextmanager
@@ -202,7 +146,12 @@ async def drive(
         cpu["end"] = group_cpu(pids)
         return None if probing is None else await probing
 
-    async with Load(url, meter, request_timeout_s=timing.measure_s + 60.0) as load:
+    async with (
+        Load(url, meter, request_timeout_s=timing.measure_s + 60.0) as load,
+        Flood(load, arm.load, work, seed + 2, arm.include_usage, arm.flood_apart) as flood,
+    ):
+        if flood.pid is not None:
+            pids["loadgen-flood"] = flood.pid
         quiet = maker("quiet", work.quiet_output, work, seed, arm.include_usage)
         if arm.latency_delta is not None:
             await prime_alone(load, quiet)
@@ -213,12 +162,8 @@ async def drive(
                       grace_s=timing.grace_s),
             sample_cpu(),
         ]  # fmt: skip
-        if arm.load != "alone":
-            rate, output = work.flood(arm.load)
-            flooder = maker("flooder", output, work, seed + 2, arm.include_usage)
-            jobs.append(
-                open_loop(load, flooder, rate, end, seed=seed + 3, start=began, grace_s=0.0)
-            )
+        if flood.active:
+            jobs.append(flood.run(began, end))
         probed = (await asyncio.gather(*jobs))[1]
         result = summarize(arm, load.records, timing, cpu, began)
         if probed is not None:
@@ -507,7 +452,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help=f"comma-separated subset of {[a.name for a in ARMS]}, room-first-D and "
         "over-first-D for each D of --first-token-deltas, room-tail-D and over-tail-D for "
         "each D of --tail-deltas (each also as ...-lua, counting in Envoy), room-paced-B and "
-        "over-paced-B for each B of --prefill-budgets (also as ...-lua)",
+        "over-paced-B for each B of --prefill-budgets (also as ...-lua); each arm with a "
+        "flood also as ...-apart, the flooder's client in a process of its own",
     )
     parser.add_argument(
         "--first-token-deltas", default=",".join(DEFAULT_FIRST_TOKEN_DELTAS),
@@ -570,6 +516,7 @@ def main(args: argparse.Namespace) -> int:
     if args.before:
         source = revisions.tree_of_rev(args.before, scenario.workdir_of(args) / "before-src")
         every = (*every, *before_arms(source, objectives))
+    every = (*every, *apart_arms(every))
     if args.compiled_src:
         revisions.check_compiled(args.compiled_src)
         every = (*every, *compiled_arms(args.compiled_src))

@@ -44,6 +44,10 @@ class Arm:
     one_round_trip: bool = False
     """The admission filter streams the body without waiting for the headers reply (`-1trip`
     arms, `envoy render --one-round-trip`: gateway_lab.bench.trips)."""
+    flood_apart: bool = False
+    """The flooder's client runs in a process of its own (`-apart` arms,
+    gateway_lab.bench.self_overload_load): the quiet tenant's event loop reads only its own
+    stream."""
 
 
 ARMS = (
@@ -101,6 +105,16 @@ def delta_arms(
 def lua_arms(arms: Sequence[Arm]) -> tuple[Arm, ...]:
     """`<name>-lua` for each of `arms`: the same arm, counting in Envoy."""
     return tuple(replace(arm, name=f"{arm.name}-lua", count_in_envoy=True) for arm in arms)
+
+
+def apart_arms(arms: Sequence[Arm]) -> tuple[Arm, ...]:
+    """`<name>-apart` for each of `arms` with a flood: the same arm, the flooder's client in a
+    process of its own."""
+    return tuple(
+        replace(arm, name=f"{arm.name}-apart", flood_apart=True)
+        for arm in arms
+        if arm.load != "alone"
+    )
 
 
 def door_arms(limits: Sequence[int]) -> tuple[Arm, ...]:

@@ -1,4 +1,4 @@
-"""Smoke run of `extproc bench self-overload` (--quick, three arms): the real Envoy, the
+"""Smoke run of `extproc bench self-overload` (--quick, four arms): the real Envoy, the
 service and a pinned emulated engine for a few seconds per arm must leave well-formed
 outputs, the phase breakdown and the reply probe among them. The figures are not checked
 (shared cores)."""
@@ -25,7 +25,7 @@ def test_self_overload_quick(tmp_path: Path, capsys: pytest.CaptureFixture[str])
     args = parser.parse_args(
         [
             "--quick", "--out", str(out), "--workdir", str(tmp_path / "w"), "--no-kvwarden",
-            "--probe", "--arms", "alone-straight,alone-service,room-full,room-first-30ms",
+            "--probe", "--arms", "alone-straight,alone-service,room-full,room-first-30ms-apart",
         ]
     )  # fmt: skip
     cores = os.sched_getaffinity(0)
@@ -34,7 +34,9 @@ def test_self_overload_quick(tmp_path: Path, capsys: pytest.CaptureFixture[str])
     printed = capsys.readouterr().out
     data = json.loads((out / "results.json").read_text())
     assert data["scenario"] == "self-overload"
-    assert set(data["arms"]) == {"alone-straight", "alone-service", "room-full", "room-first-30ms"}
+    assert set(data["arms"]) == {
+        "alone-straight", "alone-service", "room-full", "room-first-30ms-apart"
+    }  # fmt: skip
     for result in data["arms"].values():
         assert {"p50_ms", "p99_ms", "count"} <= set(result["quiet"])
         assert result["records"]["rows"], "no request was recorded"
@@ -68,9 +70,12 @@ def test_self_overload_quick(tmp_path: Path, capsys: pytest.CaptureFixture[str])
     assert probe["event_loop_lag_ms"]["count"] >= 3
     waits = data["arms"]["room-full"]["quiet_ext_proc_waits_ms"]
     assert waits["ext_proc_request_header_latency_us"]["count"] >= 1
-    # the δ arm primed the alone model before its load (six quiet requests before the window)
-    first = data["arms"]["room-first-30ms"]
+    # the δ arm primed the alone model before its load (six quiet requests before the window);
+    # its flooder sent from a process of its own, whose records and CPU came back
+    first = data["arms"]["room-first-30ms-apart"]
     assert first["flooder_output_tok_s"] > 0
+    assert first["cpu_cores"]["loadgen-flood"] > 0
+    assert "loadgen-flood" not in data["arms"]["room-full"]["cpu_cores"]
     rows = sorted(first["records"]["rows"], key=lambda row: row[1])  # by start
     before_flood = next(i for i, row in enumerate(rows) if row[0] == "flooder")
     assert before_flood >= ALONE_PRIMING and {row[0] for row in rows[:before_flood]} == {"quiet"}

@@ -26,14 +26,13 @@ from gateway_lab.bench.records import Record
 from gateway_lab.bench.self_overload import (
     ARMS,
     KVWARDEN_WORKLOAD_TARGET,
-    CompletionSpec,
-    Timing,
     compare,
     delta_arms,
     policy_text,
     summarize,
 )
 from gateway_lab.bench.self_overload_arms import before_arms, door_arms, lua_arms, paced_arms
+from gateway_lab.bench.self_overload_load import CompletionSpec, Timing
 from gateway_lab.bench.stack import cpu_seconds
 from gateway_lab.processes import envoy_binary
 
