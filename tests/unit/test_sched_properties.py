@@ -356,6 +356,7 @@ def test_random_workloads_keep_every_rule(
     assert snapshot["leases"] == 0 and snapshot["queued"] == 0
     for pool in snapshot["pools"].values():
         assert pool["inflight"] == 0 and pool["inflight_tokens"] == 0 and pool["held_for"] is None
+        assert pool["prefilling_tokens"] == 0 and pool["prefilling_requests"] == 0
     for tenant in snapshot["tenants"].values():
         assert tenant["inflight"] == 0 and tenant["inflight_tokens"] == 0 and tenant["queued"] == 0
 
