@@ -124,8 +124,9 @@ class TierOptions(StrictModel):
     latency_delta: Annotated[LatencyDelta | None, BeforeValidator(_latency_delta)] = None
     """The δ objective: a light tenant of this tier gets its tokens at most this much later
     than it would alone. When one does not, the pools it uses admit less of the backlogged
-    tenants' work (their share of the soft limit and the prefill budget); when there is slack,
-    more (extproc/scheduler/latency.py). One duration watches the first token and every later
+    tenants' work (their share of the soft limit and the prefill budget, or without a budget
+    how many of their prompts prefill at once); when there is slack, more
+    (extproc/scheduler/latency.py). One duration watches the first token and every later
     one; a mapping (`first_token`, `every_token`, `token_gap`) chooses. Omitted: no
     objective."""
 
