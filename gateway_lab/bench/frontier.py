@@ -278,8 +278,10 @@ def arrival_groups(
 
 def points(
     limits: Sequence[int], prefill_budget: int, step_tokens: Sequence[int],
-    deltas: Sequence[str] = (), tail_deltas: Sequence[str] = (),
+    deltas: Sequence[str] = (), tail_deltas: Sequence[str] = (), delta_budget: int | None = None,
 ) -> list[Point]:  # fmt: skip
+    """`delta_budget`: the δ points' prefill budget (None: the paced curve's, or
+    DELTA_PREFILL_BUDGET without one; 0: none, the controller paces by prompts)."""
     out = [Point("fifo", "fifo", None)]
     out += [Point(f"door-{n}", "door limit", n) for n in limits]
     if prefill_budget:
@@ -292,7 +294,8 @@ def points(
             Point(f"steps{tokens}-{n}", f"door limit, {tokens}-token steps", n, 0, tokens)
             for n in limits
         ]
-    top, budget = max(limits), prefill_budget or DELTA_PREFILL_BUDGET
+    top = max(limits)
+    budget = (prefill_budget or DELTA_PREFILL_BUDGET) if delta_budget is None else delta_budget
     objectives = [
         *((f"delta-{d}", "δ objective", f"{{every_token: {d}}}") for d in deltas),
         *((f"tail-{d}", "δ objective at P99", f"{{every_token: {d}, quantile: 0.99}}")
@@ -541,6 +544,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="every-token δ objectives of the delta-D points ('' none; default %(default)s)",
     )  # fmt: skip
     parser.add_argument(
+        "--delta-budget", type=int,
+        help="prefill budget of the delta-D and tail-D points (default: --prefill-budget, or "
+        f"{DELTA_PREFILL_BUDGET} when 0; 0: none, the δ cut paces by prompts)",
+    )  # fmt: skip
+    parser.add_argument(
         "--tail-deltas", default=",".join(DEFAULT_TAIL_DELTAS),
         help="the same at P99 (quantile 0.99), the tail-D points (default %(default)s)",
     )  # fmt: skip
@@ -576,7 +584,7 @@ def main(args: argparse.Namespace) -> int:
         else over_points(listed(args.first_token_deltas or ",".join(OVER_FIRST_TOKEN)))
         if args.workload == "over"
         else points(limits, args.prefill_budget, steps, listed(args.deltas),
-                    listed(args.tail_deltas))
+                    listed(args.tail_deltas), args.delta_budget)
     )  # fmt: skip
     swept = [replace(point, engine_policy=args.engine_policy) for point in swept]
     run(args.out, work, swept, args.seed, args.workload, args.engine_policy)

@@ -11,6 +11,7 @@ import pytest
 
 from extproc.policy import policy_from_text
 from gateway_lab.bench.frontier import (
+    DELTA_PREFILL_BUDGET,
     KVWARDEN,
     KVWARDEN_BUCKET,
     OVER,
@@ -64,6 +65,20 @@ def test_every_kind_of_point_is_a_valid_policy_and_fifo_has_no_door() -> None:
     delta = policy_from_text(policy_text(tail)).source.tier_options["standard"].latency_delta
     assert delta is not None and delta.quantile == 0.99 and delta.every_token == 0.1
     assert engine_profile(Point("s", "s", 8, step_tokens=512)).max_num_batched_tokens == 512
+
+
+def test_the_delta_points_take_the_paced_budget_a_fallback_or_none() -> None:
+    def budgets(prefill_budget: int, delta_budget: int | None) -> set[int | None]:
+        every = points([8], prefill_budget, [], ["300ms"], ["100ms"], delta_budget)
+        return {
+            policy_from_text(policy_text(p)).source.pools["p"].prefill_budget_tokens
+            for p in every
+            if p.latency_delta is not None
+        }
+
+    assert budgets(1024, None) == {1024}
+    assert budgets(0, None) == {DELTA_PREFILL_BUDGET}
+    assert budgets(1024, 0) == {0}  # none: a δ cut paces by prompts
 
 
 def test_a_door_limit_trades_throughput_for_the_quiet_tail(tmp_path: Path) -> None:
