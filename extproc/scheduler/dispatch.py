@@ -150,13 +150,12 @@ class Dispatcher:
         budget = spec.effective_prefill_budget
         if budget and pool.prefilling_tokens >= delta.limit(budget):
             return True
-        if delta.factor < 1.0:
-            capacity = pool.capacity
-            soft = capacity.inflight + capacity.free_slots()
-            if not budget and pool.prefilling_requests >= delta.prefilling_limit(soft):
-                return True
-            return capacity.inflight >= delta.limit(soft)
-        return False
+        if delta.factor >= 1.0:
+            return False
+        soft = pool.soft_now()
+        if not budget and pool.prefilling_requests >= delta.prefilling_limit(soft):
+            return True
+        return pool.capacity.inflight >= delta.limit(soft)
 
     def choose_headroom(self, pool: PoolState, reserve: bool = False) -> QueueEntry | None:
         """Above the soft limit, up to the hard one: the next request of a tenant below its

@@ -100,6 +100,11 @@ class PoolState:
         self._weight_total = (self.active_changes, policy, total)
         return total
 
+    def soft_now(self) -> int:
+        """The soft limit as the δ controller scales it: what is in flight plus the requests
+        that still fit below the soft limit (what is in flight when above it)."""
+        return self.capacity.inflight + self.capacity.free_slots()
+
     def budget_queued(self, budget: int) -> None:
         self.queued_tokens += budget
         counts = self._budget_counts

@@ -88,5 +88,4 @@ def _prefilling_limit(live: Live, pool: str) -> int | None:
     state = live.pools[pool]
     if spec is None or spec.effective_prefill_budget or state.delta.factor >= 1.0:
         return None
-    capacity = state.capacity
-    return state.delta.prefilling_limit(capacity.inflight + capacity.free_slots())
+    return state.delta.prefilling_limit(state.soft_now())

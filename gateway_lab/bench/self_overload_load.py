@@ -125,7 +125,7 @@ async def flood(job: FloodJob, start: float, until: float) -> list[Record]:
 async def start_flood(job: FloodJob) -> asyncio.subprocess.Process:
     """The child process for `job`, once it is ready to send (its imports take a second or
     so, which must not become a burst of overdue arrivals); `begin_flood` starts it."""
-    args = orjson.dumps({**dataclasses.asdict(job), "work": dataclasses.asdict(job.work)})
+    args = orjson.dumps(job)  # a dataclass, nested `work` included
     child = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "gateway_lab.bench.self_overload_load", args.decode(),
         stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, limit=RECORDS_LIMIT,
