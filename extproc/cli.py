@@ -108,7 +108,11 @@ def _envoy_render(args: argparse.Namespace) -> int:
         envoy_events=args.count_in_envoy or None,
         one_round_trip=args.one_round_trip,
     )
-    text = render_bootstrap(policy, options)
+    try:
+        text = render_bootstrap(policy, options)
+    except ValueError as error:  # e.g. events and ext_proc addresses that do not pair up
+        print(f"extproc envoy render: {error}", file=sys.stderr)
+        return 2
     if args.output:
         Path(args.output).write_text(text)
     else:
@@ -156,7 +160,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--count-in-envoy", default="", metavar="HOST:PORT",
         help="count response tokens in Envoy (Lua) and send the service's `serve "
         "--envoy-events` listener at this address what it needs, instead of every chunk "
-        "(docs/deploy.md, \"Counting in Envoy\")",
+        "(docs/deploy.md, \"Counting in Envoy\"); with workers on distinct ports, one per "
+        "worker, comma-separated in the order of --extproc's",
     )  # fmt: skip
     render.add_argument(
         "--one-round-trip", action="store_true",

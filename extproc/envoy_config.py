@@ -78,7 +78,12 @@ from envoy_data_plane.google.protobuf import Any as AnyProto
 from envoy_data_plane.google.protobuf import Struct
 
 from extproc.endpoints import ENDPOINT_CLASSES
-from extproc.envoy_lua import EVENTS_CLUSTER, counting_filter, counts_access_log
+from extproc.envoy_lua import (
+    EVENTS_CLUSTER,
+    counting_filter,
+    counts_access_log,
+    worker_events_cluster,
+)
 from extproc.envoy_routes import (
     ACCOUNTING_FILTER,
     ADMISSION_FILTER,
@@ -116,8 +121,10 @@ class RenderOptions:
     access_log: bool = True
     envoy_events: str | None = None
     """Count in Envoy (extproc.envoy_lua): the service's events listener (`serve
-    --envoy-events`), one or more comma-separated; the accounting ext_proc filter is then not
-    rendered, and `accounting` is ignored."""
+    --envoy-events`); the accounting ext_proc filter is then not rendered, and `accounting` is
+    ignored. Several comma-separated, one per worker (`serve --workers N --worker-ports
+    distinct`), in the order of the `extproc` addresses: each request's calls and its end
+    then go to the worker that admitted it (`counting_workers`)."""
     one_round_trip: bool = False
     """Envoy sends the request body without waiting for the reply to its headers, so it
     waits on the service once per request, not twice (`STREAMED` body with
@@ -327,11 +334,31 @@ def _accounting_filter(cluster: str) -> HttpFilter:
     return HttpFilter(name=ACCOUNTING_FILTER, typed_config=AnyProto.pack(config), disabled=True)
 
 
+def counting_workers(options: RenderOptions) -> int:
+    """How many workers Envoy's counting tells apart: one per `envoy_events` address, each
+    matched with the `extproc` address at its position (0: Envoy does not count). Raises
+    ValueError when the two lists differ in length."""
+    if not options.envoy_events:
+        return 0
+    events, extprocs = options.envoy_events.split(","), options.extproc.split(",")
+    if len(events) > 1 and len(events) != len(extprocs):
+        raise ValueError(
+            f"counting in Envoy with {len(events)} events addresses needs as many ext_proc "
+            f"addresses (worker i's gRPC port at position i), not {len(extprocs)}"
+        )
+    return len(events)
+
+
+def worker_extproc_cluster(index: int) -> str:
+    """Worker `index`'s own gRPC cluster: the ends of the requests it admitted."""
+    return f"{EXTPROC_CLUSTER}_worker_{index}"
+
+
 def _response_counter(options: RenderOptions) -> HttpFilter:
     """What counts the response: Envoy's own Lua filter (`envoy_events`), or the accounting
     ext_proc filter on its own cluster or the admission's."""
     if options.envoy_events:
-        return counting_filter()
+        return counting_filter(workers=counting_workers(options))
     return _accounting_filter(ACCOUNTING_CLUSTER if options.accounting else EXTPROC_CLUSTER)
 
 
@@ -358,6 +385,26 @@ def _access_log() -> AccessLog:
     )
     log = StdoutAccessLog(log_format=log_format)
     return AccessLog(name="envoy.access_loggers.stdout", typed_config=AnyProto.pack(log))
+
+
+def _counts_access_logs(options: RenderOptions) -> list[AccessLog]:
+    workers = counting_workers(options)
+    if workers <= 1:
+        return [counts_access_log(EXTPROC_CLUSTER)] if workers else []
+    return [counts_access_log(worker_extproc_cluster(i), worker=i) for i in range(workers)]
+
+
+def _counting_clusters(options: RenderOptions) -> list[Cluster]:
+    """The events cluster (one per worker when there are several) and each worker's own gRPC
+    cluster for the ends."""
+    events = (options.envoy_events or "").split(",")
+    if len(events) == 1:
+        return [_cluster(EVENTS_CLUSTER, events, http2=False)]
+    extprocs = options.extproc.split(",")
+    return [
+        *(_cluster(worker_events_cluster(i), [a], http2=False) for i, a in enumerate(events)),
+        *(_cluster(worker_extproc_cluster(i), [a], http2=True) for i, a in enumerate(extprocs)),
+    ]
 
 
 def build_bootstrap(policy: Policy, options: RenderOptions) -> Bootstrap:
@@ -397,7 +444,7 @@ def build_bootstrap(policy: Policy, options: RenderOptions) -> Bootstrap:
         local_reply_config=local_replies(),
         access_log=[
             *([_access_log()] if options.access_log else []),
-            *([counts_access_log(EXTPROC_CLUSTER)] if options.envoy_events else []),
+            *_counts_access_logs(options),
         ],
         generate_request_id=True,
     )
@@ -424,7 +471,7 @@ def build_bootstrap(policy: Policy, options: RenderOptions) -> Bootstrap:
     # Several ext_proc endpoints (workers on distinct ports) are comma-separated.
     clusters = [_cluster(EXTPROC_CLUSTER, options.extproc.split(","), http2=True)]
     if options.envoy_events:
-        clusters.append(_cluster(EVENTS_CLUSTER, options.envoy_events.split(","), http2=False))
+        clusters += _counting_clusters(options)
     elif options.accounting:
         clusters.append(_cluster(ACCOUNTING_CLUSTER, options.accounting.split(","), http2=True))
     for name, pool in policy.pools.items():
@@ -456,6 +503,8 @@ __all__ = [
     "RenderOptions",
     "admission_response_headers",
     "build_bootstrap",
+    "counting_workers",
     "render_bootstrap",
     "split_host_port",
+    "worker_extproc_cluster",
 ]

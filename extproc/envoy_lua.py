@@ -48,6 +48,7 @@ from envoy_data_plane.envoy.extensions.filters.network.http_connection_manager.v
 from envoy_data_plane.envoy.type.matcher.v3 import (
     MetadataMatcher,
     MetadataMatcherPathSegment,
+    StringMatcher,
     ValueMatcher,
 )
 from envoy_data_plane.google.protobuf import Any as AnyProto
@@ -149,13 +150,54 @@ end
 _CLUSTER_NAME = re.compile(r"[A-Za-z0-9_.|:/-]+")
 
 
-def counting_script(events_cluster: str = EVENTS_CLUSTER) -> str:
+_PER_WORKER = (
+    # Each call goes to the events port of the worker that admitted the request, named in
+    # its id (extproc.service.processor.request_id_prefix): `<events_cluster>_<i>`.
+    (
+        "handle:httpCall(EVENTS,",
+        'handle:httpCall(EVENTS .. "_" .. string.match(path, WORKER_IN_ID),',
+    ),
+    (
+        '  handle:streamInfo():dynamicMetadata():set(NS, "id", id)\n',
+        "  local worker = string.match(id, WORKER_IN_ID)\n"
+        "  if worker == nil or tostring(tonumber(worker)) ~= worker\n"
+        "      or tonumber(worker) >= WORKERS then\n"
+        "    return\n"
+        "  end\n"
+        '  handle:streamInfo():dynamicMetadata():set(NS, "worker", worker)\n'
+        '  handle:streamInfo():dynamicMetadata():set(NS, "id", id)\n',
+    ),
+    (
+        "local function post(handle, path, body)\n",
+        'local WORKERS = __WORKERS__\nlocal WORKER_IN_ID = "w(%d+)%-%d+$"\n\n'
+        "local function post(handle, path, body)\n",
+    ),
+)
+
+
+def counting_script(events_cluster: str = EVENTS_CLUSTER, workers: int = 1) -> str:
     """The script, posting its calls to `events_cluster`: the rendered `extproc_events`, or the
     cluster a mesh made for the service's events port (Istio's
-    `outbound|50053||extproc.llm-gateway.svc.cluster.local`)."""
+    `outbound|50053||extproc.llm-gateway.svc.cluster.local`). With `workers` > 1 (`serve
+    --workers N --worker-ports distinct`), a request's calls go to `<events_cluster>_<i>`,
+    worker i's events port, i read from the request id, and its end to the access log
+    `counts_access_logs` made for worker i: every event of a request reaches the process
+    that admitted it. An id that names no worker below `workers` is not followed."""
     if not _CLUSTER_NAME.fullmatch(events_cluster):
         raise ValueError(f"not a cluster name for the counting script: {events_cluster!r}")
-    return _SCRIPT.replace("__CLUSTER__", events_cluster).lstrip("\n")
+    script = _SCRIPT
+    if workers > 1:
+        for old, new in _PER_WORKER:
+            if script.count(old) != 1:
+                raise AssertionError(f"the counting script changed: {old!r}")
+            script = script.replace(old, new)
+        script = script.replace("__WORKERS__", str(workers))
+    return script.replace("__CLUSTER__", events_cluster).lstrip("\n")
+
+
+def worker_events_cluster(index: int) -> str:
+    """Worker `index`'s events cluster, when several workers count in Envoy."""
+    return f"{EVENTS_CLUSTER}_{index}"
 
 
 COUNTING_SCRIPT = counting_script()
@@ -166,28 +208,30 @@ yields stores nothing); `carry` keeps the previous chunk's tail, so usage split 
 chunks is still found. Only request ids of the gateway's own alphabet go into a path."""
 
 
-def counting_filter(events_cluster: str = EVENTS_CLUSTER) -> HttpFilter:
+def counting_filter(events_cluster: str = EVENTS_CLUSTER, workers: int = 1) -> HttpFilter:
     """The Lua filter, placed after the admission filter (it reads the request id the
     admission set) and before the router. On every route: a request without the id (the
     header-mutation filter removes client copies) costs one header lookup."""
     config = Lua(
-        default_source_code=DataSource(inline_string=counting_script(events_cluster)),
+        default_source_code=DataSource(inline_string=counting_script(events_cluster, workers)),
         stat_prefix="counting",
     )
     return HttpFilter(name=COUNTING_FILTER, typed_config=AnyProto.pack(config))
 
 
-def counts_access_log(extproc_cluster: str) -> AccessLog:
+def counts_access_log(extproc_cluster: str, worker: int | None = None) -> AccessLog:
     """The end of every stream the script followed, sent as it happens (no batching: capacity
     is released on it) to the service's access-log sink on the ext_proc cluster. Only those:
     a request refused at admission, or any other traffic of a shared gateway, has no request
     id in the metadata, and each entry would cost the service a message to read and drop
-    (under a flood of 429s, one per refusal)."""
+    (under a flood of 429s, one per refusal). With `worker`, only the ends of the requests
+    that worker admitted (the script's per-worker form), to its own cluster."""
+    key, value = ("id", ValueMatcher(present_match=True))
+    if worker is not None:
+        key, value = ("worker", ValueMatcher(string_match=StringMatcher(exact=str(worker))))
     followed = MetadataFilter(
         matcher=MetadataMatcher(
-            filter=METADATA_NAMESPACE,
-            path=[MetadataMatcherPathSegment(key="id")],
-            value=ValueMatcher(present_match=True),
+            filter=METADATA_NAMESPACE, path=[MetadataMatcherPathSegment(key=key)], value=value
         ),
         match_if_key_not_found=False,
     )
@@ -217,4 +261,5 @@ __all__ = [
     "counting_filter",
     "counting_script",
     "counts_access_log",
+    "worker_events_cluster",
 ]

@@ -295,6 +295,12 @@ class Metrics:
             registry=r,
         )  # fmt: skip
         self._reclaimed_seen: dict[str, int] = {}
+        self.accounting_attached = Counter(
+            "extproc_accounting_attached", "Responses whose accounting (an accounting stream, "
+            "or Envoy's counting calls) reached this process, by whether this process admitted "
+            "them (`admitting`) or another one did (`other`, settled through the shared state)",
+            ["process"], registry=r,
+        )  # fmt: skip
         # -- the service falling behind itself (extproc.service.overload) ------------------------
         self.shed = Counter(
             "extproc_shed", "Requests shed because the service fell behind (reason: lag or "

@@ -27,6 +27,8 @@ OWNED_HEADERS: tuple[str, ...] = (
 PRIORITY_HEADER = "x-priority"
 DEADLINE_HEADER = "x-deadline-ms"
 ENGINE_HEADER = "x-engine-id"
+WORKER_INDEX_ENV = "EXTPROC_WORKER_INDEX"
+"""Set by `serve --workers N`'s supervisor for worker i: `i` (extproc.service.workers)."""
 QUEUE_MS_HEADER = "x-gateway-queue-ms"
 """Response header: how long the request waited for admission."""
 

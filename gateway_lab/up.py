@@ -39,16 +39,17 @@ def add_arguments(parser: argparse.ArgumentParser, default_policy: str) -> None:
     parser.add_argument(
         "--count-in-envoy", metavar="ADDRESS|off",
         help="Envoy counts response tokens (Lua) and tells the service's events listener on "
-        "this address (serve --envoy-events). Default with one worker: the --grpc port + 1 "
-        "(the next free port if that one is taken); 'off': the accounting filter instead "
-        "(see --accounting-grpc)",
+        "this address (serve --envoy-events; worker i on its port + i). Default: the port "
+        "after the workers' --grpc ports (the next free ones if taken), except with "
+        "--workers N on a shared port; 'off': the accounting filter instead (see "
+        "--accounting-grpc)",
     )  # fmt: skip
     parser.add_argument(
         "--accounting-grpc", metavar="ADDRESS|off",
         help="Envoy relays response chunks to the accounting filter instead of counting them: "
         "served by a child process on this address (serve --accounting-grpc), or with 'off' "
-        "in the service's own process. Default: counting in Envoy with one worker, in "
-        "process with --workers N",
+        "in the service's own process. Default: counting in Envoy, or in process with "
+        "--workers N --worker-ports shared",
     )  # fmt: skip
     parser.add_argument("--profile", default="a100-llama3-8b", help="emulated engine profile")
     parser.add_argument(
@@ -123,7 +124,7 @@ class StackConfig:
     def from_args(cls, args: argparse.Namespace, workdir: Path) -> StackConfig:
         counting = response_counting(
             getattr(args, "accounting_grpc", None), getattr(args, "count_in_envoy", None),
-            args.grpc, getattr(args, "workers", 1),
+            args.grpc, getattr(args, "workers", 1), getattr(args, "worker_ports", "distinct"),
         )  # fmt: skip
         return cls(
             policy_path=args.policy, workdir=workdir, listen=args.listen, grpc=args.grpc,
@@ -151,47 +152,65 @@ class ResponseCounting:
 
     accounting: str | None = None
     envoy_events: str | None = None
+    """The events listener's address; with several workers, worker 0's (worker i: port + i)."""
 
 
 def response_counting(
-    accounting_requested: str | None, count_requested: str | None, grpc: str, workers: int
+    accounting_requested: str | None,
+    count_requested: str | None,
+    grpc: str,
+    workers: int,
+    worker_ports: str = "distinct",
 ) -> ResponseCounting:
-    """The layout the flags ask for. Neither given: with one worker, Envoy counts and tells the
-    events listener on the port after `grpc`'s when it is free (else one the kernel picks),
-    the layout with the least CPU per request (docs/deploy.md, "Counting in Envoy"); with
-    several workers, in process (both other layouts are refused there). Raises ValueError when
-    both ask for an address."""
+    """The layout the flags ask for. Neither given: Envoy counts and tells the events listener
+    on the port after the workers' gRPC ports when those are free (else ones the kernel
+    picks), the layout with the least CPU per request (docs/deploy.md, "Counting in Envoy");
+    with several workers on one shared port, in process (both other layouts are refused
+    there). Raises ValueError when both ask for an address."""
+    separate = workers <= 1 or worker_ports == "distinct"
     if accounting_requested is not None:
         if count_requested not in (None, OFF):
             raise ValueError(BOTH_ADDRESSES)
         address = None if accounting_requested == OFF else accounting_requested
         return ResponseCounting(accounting=address)
     if count_requested == OFF:
-        return ResponseCounting(accounting=_next_free(grpc) if workers <= 1 else None)
+        return ResponseCounting(accounting=_next_free(grpc, 1) if workers <= 1 else None)
     if count_requested is not None:
         return ResponseCounting(envoy_events=count_requested)
-    return ResponseCounting(envoy_events=_next_free(grpc) if workers <= 1 else None)
+    return ResponseCounting(envoy_events=_next_free(grpc, workers) if separate else None)
 
 
-def _next_free(grpc: str) -> str:
-    """The address after `grpc`'s port when it is free now, else one the kernel picks."""
+def _next_free(grpc: str, count: int) -> str:
+    """The first of `count` consecutive free ports after the `count` gRPC ports from
+    `grpc`'s (one per worker), else of ones the kernel picks."""
     from extproc.service.workers import bracketed
 
     host, port = split_host_port(grpc)
-    return f"{bracketed(host)}:{_free_port(host, port + 1)}"
+    return f"{bracketed(host)}:{_free_ports(host, port + max(1, count), count)}"
 
 
-def _free_port(host: str, wanted: int) -> int:
-    """`wanted` if it can be bound on `host` now, else a port the kernel picks."""
+def _free_ports(host: str, wanted: int, count: int) -> int:
+    """`wanted` if it and the `count - 1` ports after it can be bound on `host` now, else
+    the first of such a run from a port the kernel picks."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    for port in (wanted, 0):
+    for _ in range(20):
+        if all(_bindable(family, host, p) for p in range(wanted, wanted + count)):
+            return wanted
         with socket.socket(family, socket.SOCK_STREAM) as probe:
-            try:
-                probe.bind((host, port))
-            except OSError:
-                continue
-            return int(probe.getsockname()[1])
-    raise RuntimeError(f"no free port on {host} for the service's counting listener")
+            probe.bind((host, 0))
+            wanted = int(probe.getsockname()[1])
+    raise RuntimeError(f"no {count} free ports on {host} for the service's counting listener")
+
+
+def _bindable(family: socket.AddressFamily, host: str, port: int) -> bool:
+    if not 0 < port < 65536:
+        return False
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        try:
+            probe.bind((host, port))
+        except OSError:
+            return False
+        return True
 
 
 def build_stack(config: StackConfig, policy: Policy) -> Stack:
@@ -230,12 +249,15 @@ def build_stack(config: StackConfig, policy: Policy) -> Stack:
     )
     from extproc.service.workers import worker_addresses
 
+    events = config.envoy_events
     options = RenderOptions(
         listen=config.listen,
         extproc=",".join(worker_addresses(config.grpc, config.workers, config.worker_ports)),
         accounting=config.accounting,
         admin=config.envoy_admin,
-        envoy_events=config.envoy_events,
+        envoy_events=",".join(worker_addresses(events, config.workers, "distinct"))
+        if events
+        else None,
     )
     stack.children.append(
         envoy_child(config.workdir, policy, options, log_level="warn", stop_rank=STOP_LAST)
@@ -277,7 +299,11 @@ def run_up(args: argparse.Namespace) -> int:
     workers = getattr(args, "workers", 1)
     refused = (
         check_accounting(workers, "" if requested in (None, OFF) else requested)
-        or check_envoy_events(workers, "" if counted in (None, OFF) else counted)
+        or check_envoy_events(
+            workers,
+            "" if counted in (None, OFF) else counted,
+            getattr(args, "worker_ports", "distinct"),
+        )
         or (BOTH_ADDRESSES if requested is not None and counted not in (None, OFF) else None)
     )
     if refused is not None:

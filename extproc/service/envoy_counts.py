@@ -12,11 +12,11 @@ makes (extproc.service.accounting).
 
 The three calls and the log travel on different connections, so they may arrive in any order:
 counts are cumulative (a late, smaller one charges nothing), the end settles whether or not an
-attach came first, and a call after the end finds no request. A request whose end never comes
-(its access log lost with Envoy) is settled with what it was told after `LOST_AFTER_S` of
-silence, so its capacity does not leak; sooner, `UNSURE_AFTER_S` after its last call, when it
-passed its first token while no access-log stream was open to this process, so its end may
-have gone to another one.
+attach came first, and a call after the end is dropped (`ENDED_KEPT`). A request whose end
+never comes (its access log lost with Envoy) is settled with what it was told after
+`LOST_AFTER_S` of silence, so its capacity does not leak; sooner, `UNSURE_AFTER_S` after its
+last call, when it passed its first token while no access-log stream was open to this
+process, so its end may have gone to another one.
 """
 
 from __future__ import annotations
@@ -52,6 +52,11 @@ come every `EVERY` chunks, so this much silence after the first token means the 
 over (or its engine stalled that long); before the first token a request may wait in the
 engine's queue, and keeps `LOST_AFTER_S`."""
 SWEEP_INTERVAL_S = 30.0
+ENDED_KEPT = 65_536
+"""Ids of the requests that ended here most recently, kept so that a call arriving after its
+request's end (the calls and the log travel on different connections) is dropped here: with
+shared state it would otherwise look like a request another process admitted, and cost a
+round trip to the store to find nothing."""
 MAX_COUNT = 10_000_000
 MAX_EVENT_BYTES = 64
 
@@ -85,6 +90,8 @@ class EnvoyCounts:
         self._attach_delay_s = 0.0
         """From the forward to the attach call, for the last request this process admitted."""
         self._open: dict[str, _Open] = {}
+        self._ended: dict[str, None] = {}
+        """`ENDED_KEPT` ids that ended here, oldest first."""
         self._log_streams = 0
         """Access-log streams open to this process now."""
 
@@ -136,6 +143,9 @@ class EnvoyCounts:
         """The stream's end. `first_ago`: how long before it the first chunk passed (Envoy's
         clock), the first token's time when the `/first` call has not come (it may still be
         on its way: a response short enough for its end to overtake it)."""
+        if request_id in self._ended:
+            return
+        self._remember_ended(request_id)
         entry = self._open.pop(request_id, None)
         lease = entry.lease if entry is not None else self._port.attach(request_id)
         if lease is None:
@@ -166,6 +176,8 @@ class EnvoyCounts:
     def _entry(self, request_id: str) -> _Open | None:
         entry = self._open.get(request_id)
         if entry is None:
+            if request_id in self._ended:
+                return None
             forwarded = self._forwarded_at(request_id)
             lease = self._port.attach(request_id)
             if lease is None:
@@ -177,6 +189,11 @@ class EnvoyCounts:
         else:
             entry.heard_at = self._clock()
         return entry
+
+    def _remember_ended(self, request_id: str) -> None:
+        self._ended[request_id] = None
+        if len(self._ended) > ENDED_KEPT:
+            del self._ended[next(iter(self._ended))]
 
     @staticmethod
     def _charge(entry: _Open, output: int, largest_gap: float | None = None) -> None:

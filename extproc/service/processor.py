@@ -62,6 +62,7 @@ from extproc.types import (
     REPLICA_HEADER,
     TENANT_HEADER,
     TIER_HEADER,
+    WORKER_INDEX_ENV,
     Outcome,
 )
 
@@ -75,8 +76,19 @@ _BODY_MODE_NEEDED = (
 )
 
 _ids = itertools.count(1)
-# Replicas in containers often all run as pid 1 and start in the same second: add randomness.
-_ID_PREFIX = f"{os.getpid():x}-{int(time.time()):x}-{secrets.token_hex(3)}"
+
+
+def request_id_prefix(worker_index: str = "") -> str:
+    """What this process's request ids start with: its pid and start time in hex, random hex
+    (replicas in containers often all run as pid 1 and start in the same second) and, in a
+    worker of `serve --workers N`, `w<index>`, which Envoy's counting script reads to send
+    the request's events to this worker (extproc.envoy_lua)."""
+    worker = worker_index.strip()
+    tag = f"w{int(worker)}" if worker.isascii() and worker.isdigit() else ""
+    return f"{os.getpid():x}-{int(time.time()):x}-{secrets.token_hex(3)}{tag}"
+
+
+_ID_PREFIX = request_id_prefix(os.environ.get(WORKER_INDEX_ENV, ""))
 
 
 def header_map(headers: HttpHeaders) -> dict[str, str]:

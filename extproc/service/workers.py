@@ -18,6 +18,11 @@ workers must share state: `state.backend: redis`. With the memory store each wor
 enforce every limit on its own (N workers = N times the limits) and settle only the requests
 whose two streams met on it; the supervisor refuses that unless `--allow-unshared-workers`.
 
+With `--envoy-events` (Envoy counts the responses) worker i listens for Envoy's counting calls
+on that port + i too, and needs `--worker-ports distinct`: its request ids name it, and Envoy
+sends each request's calls and its end to the worker that admitted it (`check_envoy_events`,
+extproc.envoy_lua). Streams of one request never meet another worker then.
+
 `--accounting-grpc` (accounting in a child process) is refused with N > 1 (`check_accounting`):
 that layout holds a forwarded request's capacity while the admitting process's own accounting
 process is behind, and with workers the accounting stream may reach another worker's, whose
@@ -44,6 +49,7 @@ from pathlib import Path
 
 from extproc.envoy_config import split_host_port
 from extproc.policy import PolicyError, load_policy
+from extproc.types import WORKER_INDEX_ENV
 
 log = logging.getLogger("extproc.workers")
 
@@ -144,16 +150,26 @@ def check_accounting(workers: int, accounting_grpc: str) -> str | None:
     )
 
 
-def check_envoy_events(workers: int, envoy_events: str) -> str | None:
-    """Why `--envoy-events` cannot run with these workers, or None."""
+def check_envoy_events(workers: int, envoy_events: str, ports: str = "shared") -> str | None:
+    """Why `--envoy-events` cannot run with these workers, or None. Each worker needs an
+    events port of its own (port + i), so that Envoy sends a request's calls and its end to
+    the worker that admitted it (extproc.envoy_lua, per worker): `--worker-ports distinct`
+    and a port given."""
     if workers <= 1 or not envoy_events.strip():
         return None
-    return (
-        f"--envoy-events with --workers {workers} is not supported: every worker would bind "
-        "the one events address, and a request's calls would reach another worker than the "
-        "one that admitted it. Run one worker per host with --envoy-events (scale out with "
-        "replicas sharing Redis)."
-    )
+    if ports != "distinct":
+        return (
+            f"--envoy-events with --workers {workers} needs --worker-ports distinct: Envoy "
+            "sends a request's counting calls and its end to the worker that admitted it, on "
+            "that worker's own gRPC and events ports (port + i), which one shared port cannot "
+            "tell apart."
+        )
+    if split_host_port(envoy_events)[1] == 0:
+        return (
+            f"--envoy-events {envoy_events} with --workers {workers}: give a port (worker i "
+            "listens on it + i, and Envoy's clusters must name each)."
+        )
+    return None
 
 
 def reserve_port(address: str) -> tuple[str, socket.socket | None]:
@@ -228,7 +244,7 @@ class Supervisor:
                 command,
                 {
                     **self.env,
-                    "EXTPROC_WORKER_INDEX": str(i),
+                    WORKER_INDEX_ENV: str(i),
                     WORKER_COUNT_ENV: str(len(self.commands)),
                 },
             )
@@ -319,12 +335,14 @@ def worker_commands(args: argparse.Namespace, grpc_address: str) -> list[list[st
         if getattr(args, name, False):
             passthrough.append(flag)
     ports = getattr(args, "worker_ports", "shared")
+    events = (getattr(args, "envoy_events", "") or "").strip()
     python = [sys.executable, "-m", "extproc.service.main", "--policy", str(Path(args.policy))]
     return [
         [
             *python,
             *("--grpc", worker_address(grpc_address, i, ports)),
             *("--admin", worker_address(args.admin, i, "distinct")),
+            *(("--envoy-events", worker_address(events, i, "distinct")) if events else ()),
             *passthrough,
         ]
         for i in range(args.workers)
@@ -338,7 +356,11 @@ def run_workers(args: argparse.Namespace) -> int:
         return 2
     problem = check_accounting(
         args.workers, getattr(args, "accounting_grpc", "") or ""
-    ) or check_envoy_events(args.workers, getattr(args, "envoy_events", "") or "")
+    ) or check_envoy_events(
+        args.workers,
+        getattr(args, "envoy_events", "") or "",
+        getattr(args, "worker_ports", "shared"),
+    )
     if problem is None:
         problem = check_state(args.policy, args.workers, args.allow_unshared_workers)
     if problem is not None:
@@ -380,6 +402,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--accounting-grpc", default=os.environ.get("EXTPROC_ACCOUNTING_GRPC", ""),
         metavar="ADDRESS", help="refused with --workers N > 1 (see the module doc)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--envoy-events", default=os.environ.get("EXTPROC_ENVOY_EVENTS", ""), metavar="ADDRESS",
+        help="Envoy counts: worker i's events listener on this port + i (--worker-ports distinct)",
     )  # fmt: skip
     add_arguments(parser)
     args = parser.parse_args(argv)

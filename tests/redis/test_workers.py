@@ -3,6 +3,7 @@ memory store refused for N > 1 (it would multiply every limit)."""
 
 from __future__ import annotations
 
+import argparse
 import os
 import signal
 import subprocess
@@ -20,6 +21,7 @@ from extproc.service.workers import (
     check_state,
     worker_address,
     worker_addresses,
+    worker_commands,
 )
 from tests.conftest import TEST_KEYS, free_port, policy_yaml
 from tests.redis.support import (
@@ -173,11 +175,14 @@ async def test_workers_share_one_port_and_a_dead_worker_comes_back(
     assert victim not in seen
 
 
-def test_envoy_events_are_refused_with_several_workers(tmp_path: Path) -> None:
-    problem = check_envoy_events(2, "127.0.0.1:7000")
-    assert problem is not None and "--envoy-events with --workers 2" in problem
-    assert check_envoy_events(1, "127.0.0.1:7000") is None
-    assert check_envoy_events(2, "") is None
+def test_envoy_events_with_several_workers_need_ports_of_their_own(tmp_path: Path) -> None:
+    problem = check_envoy_events(2, "127.0.0.1:7000", "shared")
+    assert problem is not None and "needs --worker-ports distinct" in problem
+    problem = check_envoy_events(2, "127.0.0.1:0", "distinct")
+    assert problem is not None and "give a port" in problem
+    assert check_envoy_events(2, "127.0.0.1:7000", "distinct") is None
+    assert check_envoy_events(1, "127.0.0.1:7000", "shared") is None
+    assert check_envoy_events(2, "", "shared") is None
     policy = tmp_path / "shared.yaml"
     policy.write_text(policy_yaml(extra="state: {backend: redis, replicas: 2}\n"))
     events = f"127.0.0.1:{free_port()}"
@@ -186,10 +191,24 @@ def test_envoy_events_are_refused_with_several_workers(tmp_path: Path) -> None:
          "--grpc", f"127.0.0.1:{free_port()}", "--admin", f"127.0.0.1:{free_port()}",
          "--envoy-events", events],
         [sys.executable, "-m", "extproc", "up", "--workers", "2", "--policy", str(policy),
-         "--count-in-envoy", events],
+         "--worker-ports", "shared", "--count-in-envoy", events],
     ):  # fmt: skip
         refused = subprocess.run(
             command, cwd=ROOT, capture_output=True, text=True, timeout=60, check=False
         )
         assert refused.returncode == 2, refused.stderr
-        assert "--envoy-events with --workers 2 is not supported" in refused.stderr
+        assert "--envoy-events with --workers 2 needs --worker-ports distinct" in refused.stderr
+
+
+def test_each_worker_gets_its_own_events_port() -> None:
+    args = argparse.Namespace(
+        policy="p.yaml", admin="127.0.0.1:9090", workers=3, worker_ports="distinct",
+        envoy_events="127.0.0.1:7100",
+    )  # fmt: skip
+    commands = worker_commands(args, "127.0.0.1:7000")
+    events = [command[command.index("--envoy-events") + 1] for command in commands]
+    grpcs = [command[command.index("--grpc") + 1] for command in commands]
+    assert events == ["127.0.0.1:7100", "127.0.0.1:7101", "127.0.0.1:7102"]
+    assert grpcs == ["127.0.0.1:7000", "127.0.0.1:7001", "127.0.0.1:7002"]
+    args.envoy_events = ""
+    assert all("--envoy-events" not in command for command in worker_commands(args, "a:1"))

@@ -282,3 +282,42 @@ def test_the_script_calls_the_cluster_it_is_given_and_refuses_a_name_that_would_
     for name in ('a"b', "a\\b", "a b", "", 'x"; os.exit() --'):
         with pytest.raises(ValueError, match="not a cluster name"):
             counting_script(name)
+
+
+def test_a_call_after_its_requests_end_never_reaches_the_port() -> None:
+    """With shared state an unknown id would be taken for a request another process admitted
+    (a round trip to the store for nothing): an id that ended here is dropped."""
+
+    class CountingPort(Port):
+        def __init__(self, *ids: str) -> None:
+            super().__init__(*ids)
+            self.attached: list[str] = []
+
+        def attach(self, request_id: str) -> FakeLease | None:
+            self.attached.append(request_id)
+            return super().attach(request_id)
+
+    port = CountingPort("r1", "r2")
+    counts = EnvoyCounts(port, Clock())
+    counts.attach("r1")
+    counts.ended("r1", 200, None, None, 5)
+    counts.first("r1", 1)
+    counts.output("r1", 16, 900)
+    counts.ended("r1", 200, None, None, 5)  # a duplicate end settles nothing twice
+    counts.ended("r2", 200, None, None, 2)  # ended before any call: attached by its end
+    counts.output("r2", 2)
+    assert port.attached == ["r1", "r2"]
+    assert [c[0] for c in port.leases["r1"].calls] == ["started", "settle"]
+    assert counts.open_requests == 0
+
+
+def test_several_workers_get_the_calls_of_the_requests_they_admitted() -> None:
+    script = counting_script(workers=3)
+    assert "local WORKERS = 3\n" in script and "__" not in script
+    # Each call goes to the cluster of the worker named in the id (the path ends with it),
+    # and only ids naming a worker below 3, in canonical form, are followed.
+    assert 'handle:httpCall(EVENTS .. "_" .. string.match(path, WORKER_IN_ID),' in script
+    assert 'local WORKER_IN_ID = "w(%d+)%-%d+$"' in script
+    assert "tonumber(worker) >= WORKERS" in script
+    assert 'set(NS, "worker", worker)' in script
+    assert counting_script(workers=1) == COUNTING_SCRIPT  # one worker: unchanged

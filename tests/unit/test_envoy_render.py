@@ -224,3 +224,43 @@ def test_accounting_gets_its_own_cluster_when_asked() -> None:
             own = clusters["extproc_accounting"]
             assert own["circuitBreakers"]["thresholds"][0]["maxRequests"] >= 100_000
             assert "typedExtensionProtocolOptions" in own  # HTTP/2, like every gRPC cluster
+
+
+def test_several_workers_each_get_their_events_and_ends() -> None:
+    """`serve --workers 2 --worker-ports distinct --envoy-events`: one events cluster and one
+    access log per worker, so Envoy sends each request's counting to its admitting worker."""
+    options = RenderOptions(
+        extproc="127.0.0.1:7000,127.0.0.1:7001", envoy_events="127.0.0.1:7100,127.0.0.1:7101"
+    )
+    bootstrap = json.loads(render_bootstrap(policy_from_text(policy_yaml()), options))
+    clusters = {
+        c["name"]: [
+            e["endpoint"]["address"]["socketAddress"]["portValue"]
+            for e in c["loadAssignment"]["endpoints"][0]["lbEndpoints"]
+        ]
+        for c in bootstrap["staticResources"]["clusters"]
+    }
+    assert clusters["extproc"] == [7000, 7001]  # admission spreads over both
+    assert clusters["extproc_events_0"] == [7100] and clusters["extproc_events_1"] == [7101]
+    assert clusters["extproc_worker_0"] == [7000] and clusters["extproc_worker_1"] == [7001]
+    assert "extproc_events" not in clusters
+    manager = bootstrap["staticResources"]["listeners"][0]["filterChains"][0]["filters"][0][
+        "typedConfig"
+    ]
+    ends = [
+        (
+            log["filter"]["metadataFilter"]["matcher"],
+            log["typedConfig"]["commonConfig"]["grpcService"]["envoyGrpc"]["clusterName"],
+        )
+        for log in manager["accessLog"]
+        if log["name"] == "envoy.access_loggers.http_grpc"
+    ]
+    assert [(m["path"][0]["key"], m["value"]["stringMatch"]["exact"], c) for m, c in ends] == [
+        ("worker", "0", "extproc_worker_0"),
+        ("worker", "1", "extproc_worker_1"),
+    ]
+    lua = next(f for f in manager["httpFilters"] if f["name"] == "extproc.counting")
+    assert "local WORKERS = 2" in lua["typedConfig"]["defaultSourceCode"]["inlineString"]
+    unpaired = RenderOptions(extproc="127.0.0.1:7000", envoy_events=options.envoy_events)
+    with pytest.raises(ValueError, match="needs as many ext_proc addresses"):
+        render_bootstrap(policy_from_text(policy_yaml()), unpaired)

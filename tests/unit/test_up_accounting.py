@@ -97,9 +97,33 @@ def test_each_flag_picks_its_layout() -> None:
         response_counting("127.0.0.1:7001", "127.0.0.1:7002", grpc, 1)
 
 
-def test_workers_count_in_process_by_default() -> None:
-    assert response_counting(None, None, "127.0.0.1:50051", 2) == ResponseCounting()
-    assert response_counting(None, OFF, "127.0.0.1:50051", 2) == ResponseCounting()
+def test_workers_on_their_own_ports_count_in_envoy_after_their_grpc_ports() -> None:
+    for _ in range(50):
+        with socket.socket() as grpc_port:  # worker 0's port, held as the service would
+            grpc_port.bind(("127.0.0.1", 0))
+            base = grpc_port.getsockname()[1]
+            try:
+                for offset in (1, 2, 3):  # worker 1's gRPC port, then the two events ports
+                    with socket.socket() as probe:
+                        probe.bind(("127.0.0.1", base + offset))
+            except OSError:
+                continue
+            counting = response_counting(None, None, f"127.0.0.1:{base}", 2, "distinct")
+            assert counting == ResponseCounting(envoy_events=f"127.0.0.1:{base + 2}")
+            break
+    else:
+        pytest.fail("no four free ports in a row found")
+    taken = response_counting(None, None, "127.0.0.1:50051", 3, "distinct").envoy_events
+    first = port(taken)
+    for events_port in range(first, first + 3):  # each worker's events port can be bound
+        with socket.socket() as check:
+            check.bind(("127.0.0.1", events_port))
+
+
+def test_workers_on_one_shared_port_count_in_process() -> None:
+    grpc = "127.0.0.1:50051"
+    assert response_counting(None, None, grpc, 2, "shared") == ResponseCounting()
+    assert response_counting(None, OFF, grpc, 2, "distinct") == ResponseCounting()
 
 
 def test_the_command_line_default_reaches_the_stack(tmp_path: Path) -> None:
@@ -114,7 +138,9 @@ def test_the_command_line_default_reaches_the_stack(tmp_path: Path) -> None:
         policy_path="policy.yaml", workdir=tmp_path
     )
     workers = StackConfig.from_args(parser.parse_args(["--workers", "2"]), tmp_path)
-    assert workers.accounting is None and workers.envoy_events is None
+    assert workers.accounting is None and workers.envoy_events is not None
+    shared = parser.parse_args(["--workers", "2", "--worker-ports", "shared"])
+    assert StackConfig.from_args(shared, tmp_path).envoy_events is None
 
 
 def test_both_addresses_are_refused_at_start_up(tmp_path: Path) -> None:
