@@ -32,12 +32,15 @@ from gateway_lab.progress import Progress
 
 DEFAULT_OUT = Path("results/overhead")
 BENCH_KEY = "bench-key"
-ARMS = ("straight", "noop", "extproc", "extproc-child", "extproc-lua")
+ARMS = ("straight", "noop", "extproc", "extproc-child", "extproc-lua", "extproc-lua-2w")
 """`extproc`: our service accounting in process; `extproc-child`: with its accounting child
 process (`serve --accounting-grpc`), the layout `extproc up` and the deploy files ship, its
 CPU the two processes' together; `extproc-lua`: Envoy counts and tells the service
 (`serve --envoy-events`, extproc.envoy_lua), so part of the work is Envoy's: compare it with
-Envoy's CPU included (`cpu_per_request_with_envoy_us`)."""
+Envoy's CPU included (`cpu_per_request_with_envoy_us`); `extproc-lua-2w`: the same with two
+workers (`serve --workers 2 --worker-ports distinct`), their CPU and the supervisor's together."""
+WORKERS = {"extproc-lua-2w": 2}
+"""Arms whose service runs several workers."""
 COMPILED_ARM = "compiled-child"
 """With `--compiled-src DIR`: `extproc-child` running the compiled build installed in DIR
 (scripts/build-compiled.sh)."""
@@ -50,6 +53,7 @@ OURS = {
     "extproc": ("ours", "in process"),
     "extproc-child": ("ours_child", "with the child"),
     "extproc-lua": ("ours_lua", "counting in Envoy"),
+    "extproc-lua-2w": ("ours_lua_2w", "counting in Envoy, 2 workers"),
     COMPILED_ARM: ("compiled_child", "compiled"),
     BEFORE_ARM: ("ours_lua_before", "counting in Envoy, before"),
 }
@@ -229,7 +233,7 @@ def stacks_of(
         tracker.note(f"[overhead] starting the {arm} stack ({profile})")
         child = arm.endswith("-child")
         where = workdir / f"{profile}-{arm}"
-        in_envoy = arm in ("extproc-lua", BEFORE_ARM)
+        in_envoy = arm in ("extproc-lua", "extproc-lua-2w", BEFORE_ARM)
         kind = "extproc" if arm == COMPILED_ARM or in_envoy else arm.removesuffix("-child")
         env = tree_env(sources[arm]) if arm in sources else None
         stack = exit_stack.enter_context(
@@ -241,6 +245,7 @@ def stacks_of(
                 accounting_process=child,
                 extproc_env=env,
                 count_in_envoy=in_envoy,
+                workers=WORKERS.get(arm, 1),
             )
         )
         measure(stack, 20, 4, 1.0)  # warm up connections and caches

@@ -32,6 +32,27 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
+def free_ports(count: int) -> int:
+    """The first of `count` consecutive loopback ports free now (workers on distinct ports:
+    worker i on the first + i)."""
+    for _ in range(100):
+        base = free_port()
+        if all(_bindable(port) for port in range(base + 1, base + count)):
+            return base
+    raise RuntimeError(f"no {count} free loopback ports in a row")
+
+
+def _bindable(port: int) -> bool:
+    if port >= 65536:
+        return False
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+        return True
+
+
 def tcp_open(address: str) -> bool:
     host, port = split_host_port(address)
     try:
@@ -179,6 +200,7 @@ def gateway_stack(
     noop_args: Sequence[str] = (),
     extproc_env: Mapping[str, str] | None = None,
     count_in_envoy: bool = False,
+    workers: int = 1,
 ) -> Iterator[Gateway]:
     """Envoy on fresh loopback ports, straight to the policy's endpoints (`straight`) or
     through `extproc serve` (`extproc`, in an environment of `extproc_env` if given) or the
@@ -186,7 +208,9 @@ def gateway_stack(
     rewrites Envoy's rendered bootstrap (JSON text, access log on) before it starts.
     `accounting_process`: the service accounts in a child process on a port of its own
     (`serve --accounting-grpc`, Envoy's accounting cluster). `count_in_envoy`: Envoy counts
-    and tells the service (`serve --envoy-events`, extproc.envoy_lua) instead."""
+    and tells the service (`serve --envoy-events`, extproc.envoy_lua) instead. `workers`:
+    `serve --workers N` on distinct ports, each worker's own limits (`--allow-unshared-workers`:
+    the benchmarks' limits never bind), Envoy spreading requests over them."""
     if arm not in ARMS:
         raise ValueError(f"arm must be one of {ARMS}")
     workdir.mkdir(parents=True, exist_ok=True)
@@ -197,7 +221,7 @@ def gateway_stack(
     def build() -> tuple[Stack, list[Check], Gateway]:
         return _gateway_children(
             workdir, policy, str(policy_path), arm, extproc_args, bootstrap_edit,
-            accounting_process, noop_args, extproc_env, count_in_envoy,
+            accounting_process, noop_args, extproc_env, count_in_envoy, workers,
         )  # fmt: skip
 
     with running_on_fresh_ports(build) as gateway:
@@ -215,14 +239,18 @@ def _gateway_children(
     noop_args: Sequence[str],
     extproc_env: Mapping[str, str] | None,
     count_in_envoy: bool = False,
+    workers: int = 1,
 ) -> tuple[Stack, list[Check], Gateway]:
     """One start's children of `gateway_stack`, on ports picked now."""
-    listen, grpc_address = f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"
-    admin, envoy_admin = f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"
+    listen, grpc_port = f"127.0.0.1:{free_port()}", free_ports(workers)
+    grpc_address, grpc_all = f"127.0.0.1:{grpc_port}", _run_of(grpc_port, workers)
+    admin_port, envoy_admin = free_ports(workers), f"127.0.0.1:{free_port()}"
+    admin = f"127.0.0.1:{admin_port}"
     stack = Stack()
     checks: list[Check] = []
     accounting = f"127.0.0.1:{free_port()}" if accounting_process and arm == "extproc" else None
-    events = f"127.0.0.1:{free_port()}" if count_in_envoy and arm == "extproc" else None
+    events_port = free_ports(workers) if count_in_envoy and arm == "extproc" else None
+    events = None if events_port is None else f"127.0.0.1:{events_port}"
     if events is not None:
         accounting = None
     if arm == "extproc":
@@ -230,13 +258,17 @@ def _gateway_children(
             *extproc_args,
             *(["--accounting-grpc", accounting] if accounting else []),
             *(["--envoy-events", events] if events else []),
+            *(_workers_args(workers) if workers > 1 else []),
         ]
         child = extproc_child(
             workdir, policy_path, grpc_address, admin, serve_args, log_level="WARNING"
         )
         child.env = None if extproc_env is None else dict(extproc_env)
         stack.children.append(child)
-        checks.append((functools.partial(http_ok, f"http://{admin}/readyz"), "extproc"))
+        checks += [
+            (functools.partial(http_ok, f"http://{address}/readyz"), "extproc")
+            for address in _run_of(admin_port, workers).split(",")
+        ]
     elif arm == "noop":
         stack.children.append(
             Child(
@@ -256,12 +288,12 @@ def _gateway_children(
         checks.append((functools.partial(tcp_open, grpc_address), "ext_proc gRPC"))
     options = RenderOptions(
         listen=listen,
-        extproc=grpc_address,
+        extproc=grpc_all if arm == "extproc" else grpc_address,
         accounting=accounting,
         admin=envoy_admin,
         extproc_filters=arm != "straight",
         access_log=bootstrap_edit is not None,
-        envoy_events=events,
+        envoy_events=None if events_port is None else _run_of(events_port, workers),
     )
     stack.children.append(envoy_child(workdir, policy, options, log_level="error"))
     if bootstrap_edit is not None:
@@ -278,6 +310,15 @@ def _gateway_children(
     return stack, checks, gateway
 
 
+def _workers_args(workers: int) -> list[str]:
+    return ["--workers", str(workers), "--worker-ports", "distinct", "--allow-unshared-workers"]
+
+
+def _run_of(port: int, count: int) -> str:
+    """`count` loopback addresses from `port` on, comma-separated (RenderOptions' form)."""
+    return ",".join(f"127.0.0.1:{port + i}" for i in range(count))
+
+
 @contextlib.contextmanager
 def bench_stack(
     workdir: Path,
@@ -289,6 +330,7 @@ def bench_stack(
     accounting_process: bool = False,
     extproc_env: Mapping[str, str] | None = None,
     count_in_envoy: bool = False,
+    workers: int = 1,
 ) -> Iterator[Gateway]:
     """A `short` and a `long` engine and one arm in front of them:
     `make_policy(short_endpoint, long_endpoint)` gives the policy text; `accounting_process`
@@ -305,5 +347,6 @@ def bench_stack(
             accounting_process=accounting_process,
             extproc_env=extproc_env,
             count_in_envoy=count_in_envoy,
+            workers=workers,
         ) as gateway:
             yield gateway

@@ -1,0 +1,160 @@
+"""Counting in Envoy with `--workers 2`: the real Envoy, two service workers sharing Redis, and
+emulated engines. Each request's counting calls and its end reach the worker that admitted it
+(its id names the worker; extproc.envoy_lua renders one events cluster and one access log per
+worker), so no response is accounted by another process, and every token is counted."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from collections import Counter
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import orjson
+import pytest
+
+from extproc.policy import load_policy
+from gateway_lab.bench.stack import free_ports
+from gateway_lab.up import StackConfig, build_stack, response_counting, wait_ready
+from tests.conftest import TEST_KEYS, free_port, policy_yaml
+from tests.dataplane.harness import ACTIVE_STACKS, RunningGateway
+from tests.dataplane.test_accounting import scrape, usage_of_stream
+from tests.dataplane.test_admission import settled
+from tests.redis.support import RedisServer, http_get, wait_for
+
+pytestmark = [pytest.mark.redis, pytest.mark.dataplane]
+
+WORKERS = 2
+LIMITS = "{requests_per_minute: 6000, tokens_per_minute: 10000000, max_queued: 500}"
+
+
+@pytest.fixture
+def gateway(redis_server: RedisServer, tmp_path: Path) -> Iterator[RunningGateway]:
+    short, long_ = f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"
+    policy_path = tmp_path / "policy.yaml"
+    state = f"state: {{backend: redis, url: '{redis_server.url}', replicas: {WORKERS}}}\n"
+    policy_path.write_text(
+        policy_yaml(short, long_, extra=state, acme_limits=LIMITS, globex_limits=LIMITS)
+    )
+    policy = load_policy(policy_path)
+    grpc = f"127.0.0.1:{free_ports(WORKERS * 2)}"  # the workers' ports, then the events'
+    counting = response_counting(None, None, grpc, WORKERS, "distinct")
+    assert counting.envoy_events is not None and counting.accounting is None
+    admin = free_ports(WORKERS)
+    config = StackConfig(
+        policy_path=str(policy_path),
+        workdir=tmp_path,
+        listen=f"127.0.0.1:{free_port()}",
+        grpc=grpc,
+        admin=f"127.0.0.1:{admin}",
+        envoy_admin=f"127.0.0.1:{free_port()}",
+        profile="fast",
+        workers=WORKERS,
+        worker_ports="distinct",
+        envoy_events=counting.envoy_events,
+    )
+    stack = build_stack(config, policy)
+    ACTIVE_STACKS.append(stack)
+    try:
+        for child in stack.children:
+            child.start()
+        wait_ready(config, policy, stack)
+        for port in range(admin + 1, admin + WORKERS):
+            wait_for(
+                lambda p=port: http_get(f"http://127.0.0.1:{p}/readyz")[0] == 200, 60, "workers"
+            )
+        yield RunningGateway(
+            base_url=f"http://{config.listen}",
+            admin_url=f"http://{config.admin}",
+            policy=policy,
+            stack=stack,
+            config=config,
+        )
+    finally:
+        stack.stop()
+        ACTIVE_STACKS.remove(stack)
+
+
+def admin_urls(gateway: RunningGateway) -> list[str]:
+    port = int(gateway.config.admin.rpartition(":")[2])
+    return [f"http://127.0.0.1:{port + i}" for i in range(WORKERS)]
+
+
+async def one_request(
+    session: aiohttp.ClientSession, gateway: RunningGateway, tenant: str, kind: str, seed: int
+) -> dict[str, int]:
+    rng = random.Random(seed)
+    body: dict[str, Any] = {
+        "model": "m",
+        "messages": [{"role": "user", "content": "count me " * rng.randint(1, 60)}],
+        "max_tokens": rng.randint(3, 60),
+        "stream": kind != "plain",
+    }
+    if kind == "stream_usage":
+        body["stream_options"] = {"include_usage": True}
+    headers = {"authorization": f"Bearer {TEST_KEYS[tenant]}"}
+    async with session.post(
+        gateway.base_url + "/v1/chat/completions", json=body, headers=headers
+    ) as response:
+        assert response.status == 200, await response.text()
+        raw = await response.read()
+    usage = orjson.loads(raw)["usage"] if kind == "plain" else usage_of_stream(raw)
+    assert usage is not None, "every stream ends with usage"
+    return usage  # type: ignore[no-any-return]
+
+
+async def all_settled(session: aiohttp.ClientSession, urls: list[str]) -> bool:
+    for url in urls:
+        async with session.get(url + "/v1/tenants") as response:
+            if not settled(await response.json()):
+                return False
+    return True
+
+
+async def test_each_workers_responses_are_counted_by_that_worker(
+    gateway: RunningGateway,
+) -> None:
+    plan = [
+        (tenant, kind)
+        for tenant in ("acme", "globex")
+        for kind in ("plain", "stream_usage", "stream_plain")
+        for _ in range(8)
+    ]
+    urls = admin_urls(gateway)
+    timeout = aiohttp.ClientTimeout(total=60)
+    async with aiohttp.ClientSession(timeout=timeout) as session:
+        usages = await asyncio.gather(
+            *(one_request(session, gateway, t, k, seed) for seed, (t, k) in enumerate(plan))
+        )
+        deadline = asyncio.get_running_loop().time() + 15
+        while not await all_settled(session, urls):
+            assert asyncio.get_running_loop().time() < deadline, "a worker did not settle"
+            await asyncio.sleep(0.05)
+        metrics = [await scrape(session, url + "/metrics") for url in urls]
+    reported: dict[str, Counter[str]] = {"acme": Counter(), "globex": Counter()}
+    for (tenant, _), usage in zip(plan, usages, strict=True):
+        reported[tenant]["input"] += usage["prompt_tokens"]
+        reported[tenant]["output"] += usage["completion_tokens"]
+
+    def total(name: str, **labels: str) -> list[float]:
+        key = (name, *sorted(labels.items()))
+        return [values.get(key, 0.0) for values in metrics]
+
+    admitted = [
+        sum(v for k, v in values.items() if k[0] == "extproc_requests_total" and
+            ("outcome", "admitted") in k)
+        for values in metrics
+    ]  # fmt: skip
+    assert all(count > 0 for count in admitted), admitted  # Envoy spread them over both
+    assert sum(admitted) == len(plan), admitted
+    # Every response was accounted by the worker that admitted it, none through Redis.
+    own = total("extproc_accounting_attached_total", process="admitting")
+    assert total("extproc_accounting_attached_total", process="other") == [0.0] * WORKERS
+    assert own == [float(count) for count in admitted], (own, admitted)
+    for tenant, counts in reported.items():
+        for direction in ("input", "output"):
+            counted = sum(total("extproc_tokens_total", direction=direction, tenant=tenant))
+            assert counted == counts[direction], (tenant, direction, counted, counts)
