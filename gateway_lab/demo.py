@@ -6,6 +6,7 @@ import json
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Sequence
 
 DEMO_KEYS = {"acme": "demo-acme-key", "globex": "demo-globex-key"}
 
@@ -45,7 +46,14 @@ def _settled_tokens(admin_url: str, tenant: str, timeout_s: float = 10.0) -> int
     return None
 
 
-def run_demo(base_url: str, admin_url: str | None = None) -> int:
+def _settled_everywhere(admin_urls: Sequence[str], tenant: str) -> int | None:
+    """The tenant's settled tokens summed over the service's processes (each counts the
+    requests it admitted: one per worker of `--workers N`)."""
+    counts = [_settled_tokens(url, tenant) for url in admin_urls]
+    return None if None in counts else sum(c for c in counts if c is not None)
+
+
+def run_demo(base_url: str, admin_urls: Sequence[str] = ()) -> int:
     chat = f"{base_url}/v1/chat/completions"
     message = {"role": "user", "content": "Say hello to the fair gateway."}
     started = time.monotonic()
@@ -70,9 +78,9 @@ def run_demo(base_url: str, admin_url: str | None = None) -> int:
     for line in events[-2:]:
         print(f"  {line[:200]}")
     ok = ok and status == 200 and events[-1] == "data: [DONE]"
-    if admin_url is not None:
+    if admin_urls:
         # Every token counted: the tenant's account holds what the engine's usage reported.
-        usage, settled = _usage_total(events), _settled_tokens(admin_url, "globex")
+        usage, settled = _usage_total(events), _settled_everywhere(admin_urls, "globex")
         print(f"  globex's account: {settled} tokens settled, the stream's usage says {usage}")
         ok = ok and usage is not None and settled == usage
 

@@ -206,6 +206,9 @@ def _bindable(family: socket.AddressFamily, host: str, port: int) -> bool:
     if not 0 < port < 65536:
         return False
     with socket.socket(family, socket.SOCK_STREAM) as probe:
+        # As the listener will bind: a port whose last connections are in TIME_WAIT (the
+        # previous `up`'s) is free for it.
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             probe.bind((host, port))
         except OSError:
@@ -265,6 +268,13 @@ def build_stack(config: StackConfig, policy: Policy) -> Stack:
     return stack
 
 
+def worker_admins(config: StackConfig) -> list[str]:
+    """The admin address of each of the service's processes (worker i: the port + i)."""
+    from extproc.service.workers import worker_address
+
+    return [worker_address(config.admin, i, "distinct") for i in range(max(1, config.workers))]
+
+
 def counting_said(config: StackConfig) -> str:
     if config.envoy_events:
         return f"Envoy counts response tokens and tells the service on {config.envoy_events}"
@@ -285,7 +295,7 @@ def wait_ready(
         from gateway_lab.vllm_cpu.stack import wait_engines_ready
 
         wait_engines_ready(stack, abort=abort, progress=_say)
-    urls.append((f"http://{config.admin}/readyz", "extproc"))
+    urls += [(f"http://{admin}/readyz", "extproc") for admin in worker_admins(config)]
     urls.append((f"http://{config.envoy_admin}/ready", "envoy"))
     for url, what in urls:
         wait_until(functools.partial(http_ok, url), stack, what, _READY_TIMEOUT_S, abort)
@@ -348,7 +358,8 @@ def run_up(args: argparse.Namespace) -> int:
         if args.demo:
             from gateway_lab.demo import run_demo
 
-            return run_demo(f"http://{args.listen}", f"http://{args.admin}")
+            admins = [f"http://{admin}" for admin in worker_admins(config)]
+            return run_demo(f"http://{args.listen}", admins)
         supervisor = Supervisor(stack, fatal=frozenset({"envoy"}), say=_say)
         while not stopping:
             dead = supervisor.check()

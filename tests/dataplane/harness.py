@@ -114,6 +114,13 @@ def running_gateway(
     if envoy_bootstrap is not None:
         path = workdir / "envoy.json"
         path.write_text(json.dumps(envoy_bootstrap(json.loads(path.read_text()), config)))
+    with started(config, policy, stack) as running:
+        yield running
+
+
+@contextlib.contextmanager
+def started(config: StackConfig, policy: Policy, stack: Stack) -> Iterator[RunningGateway]:
+    """Start a built stack, wait until it is ready; stop it on exit, also on failure."""
     ACTIVE_STACKS.append(stack)
     try:
         for child in stack.children:

@@ -18,9 +18,9 @@ import pytest
 
 from extproc.policy import load_policy
 from gateway_lab.bench.stack import free_ports
-from gateway_lab.up import StackConfig, build_stack, response_counting, wait_ready
+from gateway_lab.up import StackConfig, build_stack, response_counting
 from tests.conftest import TEST_KEYS, free_port, policy_yaml
-from tests.dataplane.harness import ACTIVE_STACKS, RunningGateway
+from tests.dataplane.harness import RunningGateway, started
 from tests.dataplane.test_accounting import scrape, usage_of_stream
 from tests.dataplane.test_admission import settled
 from tests.redis.support import RedisServer, http_get, wait_for
@@ -56,26 +56,12 @@ def gateway(redis_server: RedisServer, tmp_path: Path) -> Iterator[RunningGatewa
         worker_ports="distinct",
         envoy_events=counting.envoy_events,
     )
-    stack = build_stack(config, policy)
-    ACTIVE_STACKS.append(stack)
-    try:
-        for child in stack.children:
-            child.start()
-        wait_ready(config, policy, stack)
-        for port in range(admin + 1, admin + WORKERS):
+    with started(config, policy, build_stack(config, policy)) as running:
+        for port in range(admin + 1, admin + WORKERS):  # `started` waits for worker 0's
             wait_for(
                 lambda p=port: http_get(f"http://127.0.0.1:{p}/readyz")[0] == 200, 60, "workers"
             )
-        yield RunningGateway(
-            base_url=f"http://{config.listen}",
-            admin_url=f"http://{config.admin}",
-            policy=policy,
-            stack=stack,
-            config=config,
-        )
-    finally:
-        stack.stop()
-        ACTIVE_STACKS.remove(stack)
+        yield running
 
 
 def admin_urls(gateway: RunningGateway) -> list[str]:
