@@ -181,8 +181,8 @@ def counting_script(events_cluster: str = EVENTS_CLUSTER, workers: int = 1) -> s
     `outbound|50053||extproc.llm-gateway.svc.cluster.local`). With `workers` > 1 (`serve
     --workers N --worker-ports distinct`), a request's calls go to `<events_cluster>_<i>`,
     worker i's events port, i read from the request id, and its end to the access log
-    `counts_access_logs` made for worker i: every event of a request reaches the process
-    that admitted it. An id that names no worker below `workers` is not followed."""
+    `counts_access_log(..., worker=i)`: every event of a request reaches the process that
+    admitted it. An id that names no worker below `workers` is not followed."""
     if not _CLUSTER_NAME.fullmatch(events_cluster):
         raise ValueError(f"not a cluster name for the counting script: {events_cluster!r}")
     script = _SCRIPT

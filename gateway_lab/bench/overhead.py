@@ -32,14 +32,16 @@ from gateway_lab.progress import Progress
 
 DEFAULT_OUT = Path("results/overhead")
 BENCH_KEY = "bench-key"
-ARMS = ("straight", "noop", "extproc", "extproc-child", "extproc-lua", "extproc-lua-2w")
+ARMS = ("straight", "noop", "extproc", "extproc-child", "extproc-lua")
 """`extproc`: our service accounting in process; `extproc-child`: with its accounting child
 process (`serve --accounting-grpc`), the layout `extproc up` and the deploy files ship, its
 CPU the two processes' together; `extproc-lua`: Envoy counts and tells the service
 (`serve --envoy-events`, extproc.envoy_lua), so part of the work is Envoy's: compare it with
-Envoy's CPU included (`cpu_per_request_with_envoy_us`); `extproc-lua-2w`: the same with two
-workers (`serve --workers 2 --worker-ports distinct`), their CPU and the supervisor's together."""
-WORKERS = {"extproc-lua-2w": 2}
+Envoy's CPU included (`cpu_per_request_with_envoy_us`)."""
+WORKERS_ARM = "extproc-lua-2w"
+"""Only when `--arms` names it: `extproc-lua` with two workers (`serve --workers 2
+--worker-ports distinct`), their CPU and the supervisor's together."""
+WORKERS = {WORKERS_ARM: 2}
 """Arms whose service runs several workers."""
 COMPILED_ARM = "compiled-child"
 """With `--compiled-src DIR`: `extproc-child` running the compiled build installed in DIR
@@ -53,7 +55,7 @@ OURS = {
     "extproc": ("ours", "in process"),
     "extproc-child": ("ours_child", "with the child"),
     "extproc-lua": ("ours_lua", "counting in Envoy"),
-    "extproc-lua-2w": ("ours_lua_2w", "counting in Envoy, 2 workers"),
+    WORKERS_ARM: ("ours_lua_2w", "counting in Envoy, 2 workers"),
     COMPILED_ARM: ("compiled_child", "compiled"),
     BEFORE_ARM: ("ours_lua_before", "counting in Envoy, before"),
 }
@@ -63,10 +65,12 @@ OURS = {
 def arm_names(
     compiled: bool, before: bool = False, wanted: Sequence[str] | None = None
 ) -> tuple[str, ...]:
-    """The arms to run: all, or the `wanted` ones (with the floor and straight)."""
-    every = (*ARMS, *((COMPILED_ARM,) if compiled else ()), *((BEFORE_ARM,) if before else ()))
+    """The arms to run: `ARMS` and the optional ones asked for, or the `wanted` ones (with the
+    floor and straight)."""
+    optional = (*((COMPILED_ARM,) if compiled else ()), *((BEFORE_ARM,) if before else ()))
     if wanted is None:
-        return every
+        return (*ARMS, *optional)
+    every = (*ARMS, WORKERS_ARM, *optional)
     unknown = sorted(set(wanted) - set(every))
     if unknown:
         raise SystemExit(f"unknown arms {unknown}; known: {list(every)}")
@@ -233,7 +237,7 @@ def stacks_of(
         tracker.note(f"[overhead] starting the {arm} stack ({profile})")
         child = arm.endswith("-child")
         where = workdir / f"{profile}-{arm}"
-        in_envoy = arm in ("extproc-lua", "extproc-lua-2w", BEFORE_ARM)
+        in_envoy = arm in ("extproc-lua", WORKERS_ARM, BEFORE_ARM)
         kind = "extproc" if arm == COMPILED_ARM or in_envoy else arm.removesuffix("-child")
         env = tree_env(sources[arm]) if arm in sources else None
         stack = exit_stack.enter_context(
