@@ -301,6 +301,8 @@ class Metrics:
             "them (`admitting`) or another one did (`other`, settled through the shared state)",
             ["process"], registry=r,
         )  # fmt: skip
+        self.attached_admitting = self.accounting_attached.labels("admitting")
+        self.attached_other = self.accounting_attached.labels("other")
         # -- the service falling behind itself (extproc.service.overload) ------------------------
         self.shed = Counter(
             "extproc_shed", "Requests shed because the service fell behind (reason: lag or "

@@ -49,8 +49,13 @@ def _settled_tokens(admin_url: str, tenant: str, timeout_s: float = 10.0) -> int
 def _settled_everywhere(admin_urls: Sequence[str], tenant: str) -> int | None:
     """The tenant's settled tokens summed over the service's processes (each counts the
     requests it admitted: one per worker of `--workers N`)."""
-    counts = [_settled_tokens(url, tenant) for url in admin_urls]
-    return None if None in counts else sum(c for c in counts if c is not None)
+    total = 0
+    for url in admin_urls:
+        settled = _settled_tokens(url, tenant)
+        if settled is None:
+            return None
+        total += settled
+    return total
 
 
 def run_demo(base_url: str, admin_urls: Sequence[str] = ()) -> int:

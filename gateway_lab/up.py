@@ -186,10 +186,10 @@ def _next_free(grpc: str, count: int) -> str:
     from extproc.service.workers import bracketed
 
     host, port = split_host_port(grpc)
-    return f"{bracketed(host)}:{_free_ports(host, port + max(1, count), count)}"
+    return f"{bracketed(host)}:{free_ports(host, port + max(1, count), count)}"
 
 
-def _free_ports(host: str, wanted: int, count: int) -> int:
+def free_ports(host: str, wanted: int, count: int) -> int:
     """`wanted` if it and the `count - 1` ports after it can be bound on `host` now, else
     the first of such a run from a port the kernel picks."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET

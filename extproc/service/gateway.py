@@ -221,12 +221,12 @@ class Gateway:
     def attach(self, request_id: str) -> AccountedLease | None:
         request = self._registry.get(request_id)
         if request is not None:
-            self.metrics.accounting_attached.labels("admitting").inc()
+            self.metrics.attached_admitting.inc()
             return self._settlement.attach(request, self._forget_local)
         remote = self._admission.attach_remote(request_id)
         if remote is None:
             return None
-        self.metrics.accounting_attached.labels("other").inc()
+        self.metrics.attached_other.inc()
         self.overload.activity()  # its chunks cost this loop: sample at the short interval
         lease = RemoteRequestLease(
             remote, self._admission, self.metrics, lambda: self._policy, self._forget_remote

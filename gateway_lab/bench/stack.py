@@ -15,6 +15,8 @@ from typing import TypeVar
 
 from extproc.envoy_config import RenderOptions, split_host_port
 from extproc.policy import Policy, policy_from_text
+from extproc.service.workers import worker_addresses
+from gateway_lab import up
 from gateway_lab.children import engine_child, envoy_child, extproc_child
 from gateway_lab.processes import Child, Stack, http_ok, wait_until
 
@@ -35,22 +37,7 @@ def free_port() -> int:
 def free_ports(count: int) -> int:
     """The first of `count` consecutive loopback ports free now (workers on distinct ports:
     worker i on the first + i)."""
-    for _ in range(100):
-        base = free_port()
-        if all(_bindable(port) for port in range(base + 1, base + count)):
-            return base
-    raise RuntimeError(f"no {count} free loopback ports in a row")
-
-
-def _bindable(port: int) -> bool:
-    if port >= 65536:
-        return False
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        try:
-            sock.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-        return True
+    return up.free_ports("127.0.0.1", free_port(), count)
 
 
 def tcp_open(address: str) -> bool:
@@ -243,7 +230,7 @@ def _gateway_children(
 ) -> tuple[Stack, list[Check], Gateway]:
     """One start's children of `gateway_stack`, on ports picked now."""
     listen, grpc_port = f"127.0.0.1:{free_port()}", free_ports(workers)
-    grpc_address, grpc_all = f"127.0.0.1:{grpc_port}", _run_of(grpc_port, workers)
+    grpc_address, grpc_all = f"127.0.0.1:{grpc_port}", workers_at(grpc_port, workers)
     admin_port, envoy_admin = free_ports(workers), f"127.0.0.1:{free_port()}"
     admin = f"127.0.0.1:{admin_port}"
     stack = Stack()
@@ -267,7 +254,7 @@ def _gateway_children(
         stack.children.append(child)
         checks += [
             (functools.partial(http_ok, f"http://{address}/readyz"), "extproc")
-            for address in _run_of(admin_port, workers).split(",")
+            for address in worker_addresses(admin, workers, "distinct")
         ]
     elif arm == "noop":
         stack.children.append(
@@ -293,7 +280,7 @@ def _gateway_children(
         admin=envoy_admin,
         extproc_filters=arm != "straight",
         access_log=bootstrap_edit is not None,
-        envoy_events=None if events_port is None else _run_of(events_port, workers),
+        envoy_events=None if events_port is None else workers_at(events_port, workers),
     )
     stack.children.append(envoy_child(workdir, policy, options, log_level="error"))
     if bootstrap_edit is not None:
@@ -310,13 +297,13 @@ def _gateway_children(
     return stack, checks, gateway
 
 
+def workers_at(port: int, count: int) -> str:
+    """The loopback addresses of `count` workers from `port` on, as RenderOptions lists them."""
+    return ",".join(worker_addresses(f"127.0.0.1:{port}", count, "distinct"))
+
+
 def _workers_args(workers: int) -> list[str]:
     return ["--workers", str(workers), "--worker-ports", "distinct", "--allow-unshared-workers"]
-
-
-def _run_of(port: int, count: int) -> str:
-    """`count` loopback addresses from `port` on, comma-separated (RenderOptions' form)."""
-    return ",".join(f"127.0.0.1:{port + i}" for i in range(count))
 
 
 @contextlib.contextmanager
