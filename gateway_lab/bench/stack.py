@@ -36,8 +36,10 @@ def free_port() -> int:
 
 def free_ports(count: int) -> int:
     """The first of `count` consecutive loopback ports free now (workers on distinct ports:
-    worker i on the first + i)."""
-    return up.free_ports("127.0.0.1", free_port(), count)
+    worker i on the first + i). One port is `free_port`'s, as every other port here (a
+    port taken before its server binds it makes `running_on_fresh_ports` start again)."""
+    base = free_port()
+    return base if count == 1 else up.free_ports("127.0.0.1", base, count)
 
 
 def tcp_open(address: str) -> bool:
