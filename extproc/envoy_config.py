@@ -28,6 +28,7 @@ from envoy_data_plane.envoy.config.common.mutation_rules.v3 import (
 )
 from envoy_data_plane.envoy.config.core.v3 import (
     Address,
+    BackoffStrategy,
     GrpcService,
     GrpcServiceEnvoyGrpc,
     HeaderValue,
@@ -35,6 +36,8 @@ from envoy_data_plane.envoy.config.core.v3 import (
     HeaderValueOptionHeaderAppendAction,
     Http2ProtocolOptions,
     KeepaliveSettings,
+    RetryPolicy,
+    RetryPolicyRetryHostPredicate,
     SocketAddress,
     SubstitutionFormatString,
     TypedExtensionConfig,
@@ -67,6 +70,7 @@ from envoy_data_plane.envoy.extensions.filters.network.http_connection_manager.v
     HttpFilter,
 )
 from envoy_data_plane.envoy.extensions.formatter.req_without_query.v3 import ReqWithoutQuery
+from envoy_data_plane.envoy.extensions.retry.host.previous_hosts.v3 import PreviousHostsPredicate
 from envoy_data_plane.envoy.extensions.upstreams.http.v3 import (
     HttpProtocolOptions as UpstreamHttpProtocolOptions,
 )
@@ -165,7 +169,9 @@ def _circuit_breakers() -> CircuitBreakers:
                 max_connections=limit,
                 max_pending_requests=limit,
                 max_requests=limit,
-                max_retries=3,
+                # When a worker crashes, every stream sent its way is retried on another
+                # (service_stream_retry) at once: Envoy's default of 3 would refuse the rest.
+                max_retries=limit,
             )
         ]
     )
@@ -266,6 +272,25 @@ def _drain_filter() -> HttpFilter:
     return HttpFilter(name=DRAIN_FILTER, typed_config=AnyProto.pack(config), disabled=True)
 
 
+def service_stream_retry() -> RetryPolicy:
+    """Open a stream that could not reach a service process on another one: with several
+    (`serve --workers N --worker-ports distinct`, replicas), a crashed worker costs no request
+    while another serves, until its restart. Only a connection refused or a stream refused
+    before the service read anything is retried, so no request is decided twice."""
+    return RetryPolicy(
+        retry_on="connect-failure,refused-stream",
+        num_retries=2,
+        retry_back_off=BackoffStrategy(base_interval=_seconds(0.005), max_interval=_seconds(0.05)),
+        retry_host_predicate=[
+            RetryPolicyRetryHostPredicate(
+                name="envoy.retry_host_predicates.previous_hosts",
+                typed_config=AnyProto.pack(PreviousHostsPredicate()),
+            )
+        ],
+        host_selection_retry_max_attempts=3,
+    )
+
+
 def _admission_filter(policy: Policy, one_round_trip: bool) -> HttpFilter:
     hold_cap = envoy_hold_limit(policy.source)
     body_mode = (
@@ -277,6 +302,7 @@ def _admission_filter(policy: Policy, one_round_trip: bool) -> HttpFilter:
         grpc_service=GrpcService(
             envoy_grpc=GrpcServiceEnvoyGrpc(cluster_name=EXTPROC_CLUSTER),
             timeout=_seconds(hold_cap),
+            retry_policy=service_stream_retry(),
         ),
         failure_mode_allow=False,
         # The service unreachable: fail closed with a 503 (+ Retry-After, extproc.envoy_routes).
@@ -313,6 +339,7 @@ def _accounting_filter(cluster: str) -> HttpFilter:
         grpc_service=GrpcService(
             envoy_grpc=GrpcServiceEnvoyGrpc(cluster_name=cluster),
             initial_metadata=[HeaderValue(key=ROLE_METADATA, value=ACCOUNTING_ROLE)],
+            retry_policy=service_stream_retry(),
         ),
         failure_mode_allow=True,
         observability_mode=True,

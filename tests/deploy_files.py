@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from envoy.extensions.filters.http.ext_proc.v3 import ext_proc_pb2
+from envoy.extensions.retry.host.previous_hosts.v3 import previous_hosts_pb2
 from google.protobuf import json_format
 from ruamel.yaml import YAML
 
@@ -129,6 +130,9 @@ def ext_proc(
         message.grpc_service.ClearField("google_grpc")
     return message
 
+
+# The retry policy's host predicate, in an Any: its type must be known to parse the filter.
+assert previous_hosts_pb2.PreviousHostsPredicate
 
 __all__ = [
     "ACCOUNTING_FILTER",

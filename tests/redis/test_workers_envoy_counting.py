@@ -6,7 +6,11 @@ worker), so no response is accounted by another process, and every token is coun
 from __future__ import annotations
 
 import asyncio
+import os
 import random
+import signal
+import socket
+import time
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
@@ -15,13 +19,14 @@ from typing import Any
 import aiohttp
 import orjson
 import pytest
+import redis
 
 from extproc.policy import load_policy
 from gateway_lab.bench.stack import free_ports
 from gateway_lab.up import StackConfig, build_stack, response_counting
 from tests.conftest import TEST_KEYS, free_port, policy_yaml
 from tests.dataplane.harness import RunningGateway, started
-from tests.dataplane.test_accounting import scrape, usage_of_stream
+from tests.dataplane.test_accounting import envoy_stat, scrape, usage_of_stream
 from tests.dataplane.test_admission import settled
 from tests.redis.support import RedisServer, http_get, wait_for
 
@@ -144,3 +149,121 @@ async def test_each_workers_responses_are_counted_by_that_worker(
         for direction in ("input", "output"):
             counted = sum(total("extproc_tokens_total", direction=direction, tenant=tenant))
             assert counted == counts[direction], (tenant, direction, counted, counts)
+
+
+LONG = 8_000
+"""Output tokens of the stream a crash interrupts: ~1 ms a token on the `fast` engine, so it
+outlives the worker's restart."""
+
+
+def worker_pids(gateway: RunningGateway) -> dict[int, int]:
+    """Worker index -> pid: the supervisor's children, told apart by their --grpc port."""
+    supervisor = next(c for c in gateway.stack.children if c.name == "extproc").process
+    assert supervisor is not None
+    base = int(gateway.config.grpc.rpartition(":")[2])
+    pids: dict[int, int] = {}
+    children = Path(f"/proc/{supervisor.pid}/task/{supervisor.pid}/children").read_text()
+    for pid in map(int, children.split()):
+        try:
+            argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        except FileNotFoundError:  # exited between the two reads
+            continue
+        if b"--grpc" in argv:
+            port = int(argv[argv.index(b"--grpc") + 1].rpartition(b":")[2])
+            pids[port - base] = pid
+    return pids
+
+
+def refuses(port: int) -> bool:
+    with socket.socket() as probe:
+        probe.settimeout(1)
+        return probe.connect_ex(("127.0.0.1", port)) != 0
+
+
+async def tenants(session: aiohttp.ClientSession, url: str) -> dict[str, Any]:
+    async with session.get(url + "/v1/tenants") as response:
+        return await response.json()  # type: ignore[no-any-return]
+
+
+async def test_a_crashed_worker_costs_no_request_and_leaks_nothing(
+    gateway: RunningGateway, redis_server: RedisServer
+) -> None:
+    """kill -9 of the worker streaming a response: the response goes on to its end; requests
+    sent while the worker is down are all served (Envoy opens their ext_proc stream on the
+    other worker: `service_stream_retry`); the restarted worker counts what it admits; and
+    nothing stays held, in either worker or in Redis."""
+    urls = admin_urls(gateway)
+    headers = {"authorization": f"Bearer {TEST_KEYS['acme']}"}
+    url = gateway.base_url + "/v1/chat/completions"
+    long_body = {"model": "m", "messages": [{"role": "user", "content": "go"}],
+                 "max_tokens": LONG, "stream": True}  # fmt: skip
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as session:
+        streaming = await session.post(url, json=long_body, headers=headers)
+        assert streaming.status == 200
+        first = await streaming.content.readline()
+        deadline = time.monotonic() + 10
+        while True:  # which worker admitted it
+            holding = [
+                i
+                for i, u in enumerate(urls)
+                if (await tenants(session, u))["tenants"]["acme"]["inflight"]
+            ]
+            if holding:
+                break
+            assert time.monotonic() < deadline, "no worker holds the stream"
+            await asyncio.sleep(0.02)
+        (victim,) = holding
+        pids = worker_pids(gateway)
+        assert len(pids) == WORKERS, pids
+        victim_port = int(gateway.config.grpc.rpartition(":")[2]) + victim
+        os.kill(pids[victim], signal.SIGKILL)
+        wait_for(lambda: refuses(victim_port), 10, "the killed worker's port to close")
+        failed_connects = await envoy_stat(gateway, "cluster.extproc.upstream_cx_connect_fail")
+
+        # While the worker is down: every request is served.
+        outage = await asyncio.gather(
+            *(one_request(session, gateway, "globex", "plain", seed) for seed in range(8))
+        )
+        assert all(usage["completion_tokens"] > 0 for usage in outage)
+        # ... and the dead port was tried, so the retry is what served them.
+        assert refuses(victim_port), "the worker came back before the test could tell"
+        later = await envoy_stat(gateway, "cluster.extproc.upstream_cx_connect_fail")
+        assert later > failed_connects, (failed_connects, later)
+        assert await envoy_stat(gateway, "cluster.extproc.upstream_rq_retry_success") >= 1
+
+        # The response the dead worker admitted streams on to its end.
+        raw = first + await streaming.content.read()
+        streaming.release()
+        usage = usage_of_stream(raw)
+        assert usage is not None and usage["completion_tokens"] == LONG
+
+        # The supervisor starts the worker again, on its ports; it serves and counts.
+        wait_for(lambda: worker_pids(gateway).get(victim, pids[victim]) != pids[victim], 30,
+                 "a new worker")  # fmt: skip
+        wait_for(lambda: http_get(urls[victim] + "/readyz")[0] == 200, 60, "the new worker")
+        admitted = 0
+        for seed in range(40):
+            await one_request(session, gateway, "initech", "stream_usage", seed)
+            values = await scrape(session, urls[victim] + "/metrics")
+            admitted = int(sum(
+                v for k, v in values.items()
+                if k[0] == "extproc_requests_total" and ("outcome", "admitted") in k
+            ))  # fmt: skip
+            if admitted:
+                break
+        assert admitted, "the restarted worker admitted nothing in 40 requests"
+
+        # Nothing stays held: not in a worker, not in Redis (the dead worker's leases expire).
+        deadline = time.monotonic() + 15
+        while not await all_settled(session, urls):
+            assert time.monotonic() < deadline, [await tenants(session, u) for u in urls]
+            await asyncio.sleep(0.05)
+        values = await scrape(session, urls[victim] + "/metrics")
+    own = values.get(("extproc_accounting_attached_total", ("process", "admitting")), 0.0)
+    assert own == admitted, (own, admitted)
+    store = redis.Redis.from_url(redis_server.url)
+    try:
+        leases = {key: store.zcard(key) for key in store.scan_iter("extproc:pl:*")}
+    finally:
+        store.close()
+    assert all(count == 0 for count in leases.values()), leases

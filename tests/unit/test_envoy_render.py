@@ -264,3 +264,26 @@ def test_several_workers_each_get_their_events_and_ends() -> None:
     unpaired = RenderOptions(extproc="127.0.0.1:7000", envoy_events=options.envoy_events)
     with pytest.raises(ValueError, match="needs as many ext_proc addresses"):
         render_bootstrap(policy_from_text(policy_yaml()), unpaired)
+
+
+def test_a_stream_refused_by_one_service_process_is_opened_on_another() -> None:
+    """A worker that crashed refuses connections until its restart: Envoy opens the ext_proc
+    stream on another process instead of answering 503. Only refusals before the service read
+    anything are retried, so a request is never decided twice."""
+    options = RenderOptions(
+        extproc="127.0.0.1:7000,127.0.0.1:7001", envoy_events="127.0.0.1:7100,127.0.0.1:7101"
+    )
+    for render in (options, RenderOptions(), RenderOptions(accounting="127.0.0.1:7200")):
+        manager = manager_of(json.loads(render_bootstrap(policy_from_text(policy_yaml()), render)))
+        streams = [
+            f["typedConfig"]["grpcService"]
+            for f in manager["httpFilters"]
+            if f["name"] in (ADMISSION_FILTER, ACCOUNTING_FILTER)
+        ]
+        assert streams
+        for stream in streams:
+            retry = stream["retryPolicy"]
+            assert set(retry["retryOn"].split(",")) == {"connect-failure", "refused-stream"}
+            (predicate,) = retry["retryHostPredicate"]
+            assert predicate["name"] == "envoy.retry_host_predicates.previous_hosts"
+            assert int(retry["numRetries"]) >= 1
