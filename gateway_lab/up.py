@@ -22,6 +22,7 @@ from pathlib import Path
 
 from extproc.envoy_config import RenderOptions, split_host_port
 from extproc.policy import Policy, PolicyError, load_policy
+from extproc.service.liveness import LIVENESS_TIMEOUT_S
 from gateway_lab.children import engine_child, envoy_child, extproc_child
 from gateway_lab.processes import STOP_FIRST, STOP_LAST, Stack, Supervisor, http_ok, wait_until
 
@@ -114,6 +115,7 @@ class StackConfig:
     workers: int = 1
     worker_ports: str = "distinct"
     allow_unshared_workers: bool = False
+    worker_liveness_timeout: float = LIVENESS_TIMEOUT_S
     accounting: str | None = None
     """The service's accounting process address (`serve --accounting-grpc`), if any."""
     envoy_events: str | None = None
@@ -135,6 +137,7 @@ class StackConfig:
             workers=getattr(args, "workers", 1),
             worker_ports=getattr(args, "worker_ports", "distinct"),
             allow_unshared_workers=getattr(args, "allow_unshared_workers", False),
+            worker_liveness_timeout=getattr(args, "worker_liveness_timeout", LIVENESS_TIMEOUT_S),
             accounting=counting.accounting,
             envoy_events=counting.envoy_events,
         )  # fmt: skip
@@ -236,6 +239,7 @@ def build_stack(config: StackConfig, policy: Policy) -> Stack:
         "--drain-grace", str(config.drain_grace),
         "--workers", str(config.workers), "--worker-ports", config.worker_ports,
         *(["--allow-unshared-workers"] if config.allow_unshared_workers else []),
+        "--worker-liveness-timeout", str(config.worker_liveness_timeout),
         *(["--accounting-grpc", config.accounting] if config.accounting else []),
         *(["--envoy-events", config.envoy_events] if config.envoy_events else []),
     ]  # fmt: skip

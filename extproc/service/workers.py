@@ -28,6 +28,10 @@ that layout holds a forwarded request's capacity while the admitting process's o
 process is behind, and with workers the accounting stream may reach another worker's, whose
 lag the admitting worker cannot see (docs/deploy.md, "Accounting in a process of its own").
 
+A worker that hangs (its event loop blocked, or the process stopped) does not exit: one whose
+admin server has not answered `/healthz` for `--worker-liveness-timeout` seconds is killed and
+restarted like a crashed one (extproc.service.liveness).
+
 Signals: SIGTERM/SIGINT drain every worker (a second one kills them), SIGHUP reloads them.
 """
 
@@ -49,6 +53,7 @@ from pathlib import Path
 
 from extproc.envoy_config import split_host_port
 from extproc.policy import PolicyError, load_policy
+from extproc.service.liveness import LIVENESS_TIMEOUT_S, LivenessWatch, healthz_url
 from extproc.types import WORKER_INDEX_ENV
 
 log = logging.getLogger("extproc.workers")
@@ -65,7 +70,7 @@ def add_arguments(parser: argparse.ArgumentParser, default_ports: str = "shared"
     """The worker flags of `extproc serve` (and of `extproc up`, whose Envoy balances best
     over distinct ports: `default_ports="distinct"`)."""
     parser.add_argument(
-        "--workers", type=int, default=_env_int("EXTPROC_WORKERS", 1), metavar="N",
+        "--workers", type=int, default=int(_env_number("EXTPROC_WORKERS", 1, int)), metavar="N",
         help="service processes (default %(default)s; with N > 1 use state.backend redis)",
     )  # fmt: skip
     parser.add_argument(
@@ -76,20 +81,27 @@ def add_arguments(parser: argparse.ArgumentParser, default_ports: str = "shared"
         "--allow-unshared-workers", action="store_true",
         help="allow N > 1 workers with the memory state store (each enforces every limit)",
     )  # fmt: skip
+    parser.add_argument(
+        "--worker-liveness-timeout", type=float, metavar="SECONDS",
+        default=_env_number("EXTPROC_WORKER_LIVENESS_TIMEOUT", LIVENESS_TIMEOUT_S, float),
+        help="kill and restart a worker whose /healthz has not answered this long "
+        "(default %(default)s; 0: never)",
+    )  # fmt: skip
 
 
 WORKER_COUNT_ENV = "EXTPROC_WORKER_COUNT"
 """Set for each worker: how many processes of this service share the engines."""
 
 
-def _env_int(name: str, default: int) -> int:
+def _env_number(name: str, default: float, kind: type[int] | type[float]) -> float:
     raw = os.environ.get(name, "").strip()
     if not raw:
         return default
     try:
-        return int(raw)
+        return kind(raw)
     except ValueError:
-        raise SystemExit(f"{name}={raw!r}: expected a whole number") from None
+        what = "a whole number" if kind is int else "a number"
+        raise SystemExit(f"{name}={raw!r}: expected {what}") from None
 
 
 def worker_address(address: str, index: int, ports: str) -> str:
@@ -236,6 +248,11 @@ class Supervisor:
     workers: list[Worker] = field(default_factory=list)
     stopping: bool = False
     forced: bool = False
+    health_urls: list[str | None] = field(default_factory=list)
+    """Each worker's `/healthz` (None: not watched)."""
+    liveness_timeout_s: float = 0.0
+    """0: a hung worker is left alone."""
+    watches: dict[int, LivenessWatch] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.workers = [
@@ -270,16 +287,36 @@ class Supervisor:
         signal.signal(signal.SIGINT, self.on_stop_signal)
         signal.signal(signal.SIGHUP, self.on_hup)
 
+    def watch(self) -> None:
+        """Start watching each worker's `/healthz` (when a timeout and its URL are known)."""
+        if self.liveness_timeout_s <= 0:
+            return
+        for worker, url in zip(self.workers, self.health_urls, strict=False):
+            if url is not None:
+                self.watches[worker.index] = LivenessWatch(url, self.liveness_timeout_s)
+
     def step(self, now: float) -> None:
-        """Notice dead workers and restart those whose backoff has passed."""
+        """Notice dead workers and restart those whose backoff has passed; kill hung ones."""
         for worker in self.workers:
+            watch = self.watches.get(worker.index)
             if worker.restart_at is not None:
                 if now >= worker.restart_at and not self.stopping:
                     worker.restarts += 1
                     worker.start()
+                    if watch is not None:
+                        watch.restarted(now)
                     log.warning("worker %d restarted (pid %s)", worker.index, worker.pid)
                 continue
             code = worker.exited()
+            if code is None and not self.stopping and watch is not None:
+                silent = watch.overdue(now)
+                if silent is not None:
+                    log.error(
+                        "worker %d (pid %s) has not answered %s for %.1fs: killing it",
+                        worker.index, worker.pid, watch.url, silent,
+                    )  # fmt: skip
+                    worker.signal(signal.SIGKILL)
+                    watch.restarted(now)  # not overdue again while it dies
             if code is None or self.stopping:
                 continue
             if now - worker.started_at >= HEALTHY_AFTER_S:
@@ -294,6 +331,7 @@ class Supervisor:
     def run(self) -> int:
         for worker in self.workers:
             worker.start()
+        self.watch()
         log.info(
             "supervising %d workers", len(self.workers),
             extra={"fields": {"pids": [w.pid for w in self.workers]}},
@@ -310,6 +348,8 @@ class Supervisor:
                 self.forced = True
                 break
             time.sleep(_POLL_S)
+        for watch in self.watches.values():
+            watch.stop()
         for worker in self.workers:
             if worker.process is not None:
                 worker.process.wait()
@@ -373,6 +413,10 @@ def run_workers(args: argparse.Namespace) -> int:
     supervisor = Supervisor(
         worker_commands(args, address),
         stop_timeout_s=float(getattr(args, "drain_grace", None) or 30.0) + 10.0,
+        health_urls=[
+            healthz_url(worker_address(args.admin, i, "distinct")) for i in range(args.workers)
+        ],
+        liveness_timeout_s=float(getattr(args, "worker_liveness_timeout", LIVENESS_TIMEOUT_S)),
     )
     supervisor.install_signal_handlers()
     print(

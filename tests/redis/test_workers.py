@@ -4,12 +4,13 @@ memory store refused for N > 1 (it would multiply every limit)."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import grpc
@@ -33,6 +34,7 @@ from tests.redis.support import (
     finish,
     http_get,
     wait_for,
+    worker_pids,
 )
 
 
@@ -103,18 +105,23 @@ def test_an_accounting_process_is_refused_with_several_workers(tmp_path: Path) -
     assert refused.returncode == 2 and "not supported" in refused.stderr
 
 
-@pytest.fixture
-def supervisor(redis_server: RedisServer, tmp_path: Path) -> Iterator[tuple[str, list[int]]]:
+@contextlib.contextmanager
+def running_supervisor(
+    redis_server: RedisServer, tmp_path: Path, extra: Sequence[str] = ()
+) -> Iterator[tuple[str, list[int], subprocess.Popen[bytes]]]:
+    """`python -m extproc.service.workers --workers 2` on Redis state: its gRPC address, the
+    workers' admin ports and the supervisor, once both workers are ready; stopped after."""
     policy = tmp_path / "policy.yaml"
     policy.write_text(
         policy_yaml(extra=f"state: {{backend: redis, url: '{redis_server.url}', replicas: 2}}\n")
     )
     address, admin = f"127.0.0.1:{free_port()}", free_port()
-    log = (tmp_path / "supervisor.log").open("wb")
+    log_path = tmp_path / "supervisor.log"
+    log = log_path.open("wb")
     process = subprocess.Popen(
         [sys.executable, "-m", "extproc.service.workers", "--workers", "2",
          "--policy", str(policy), "--grpc", address, "--admin", f"127.0.0.1:{admin}",
-         "--log-format", "text", "--reload-interval", "0", "--drain-grace", "1"],
+         "--log-format", "text", "--reload-interval", "0", "--drain-grace", "1", *extra],
         cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
     )  # fmt: skip
     log.close()
@@ -124,18 +131,24 @@ def supervisor(redis_server: RedisServer, tmp_path: Path) -> Iterator[tuple[str,
             wait_for(
                 lambda p=port: http_get(f"http://127.0.0.1:{p}/readyz")[0] == 200, 60, "workers"
             )
-        yield address, admins
+        yield address, admins, process
         process.send_signal(signal.SIGTERM)
         code = process.wait(30)
-        log_text = (tmp_path / "supervisor.log").read_text(errors="replace")
+        log_text = log_path.read_text(errors="replace")
         assert code == 0, f"supervisor exited with {code}:\n{log_text[-3000:]}"
     except BaseException:
-        print((tmp_path / "supervisor.log").read_text(errors="replace")[-4000:], file=sys.stderr)
+        print(log_path.read_text(errors="replace")[-4000:], file=sys.stderr)
         raise
     finally:
         if process.poll() is None:
             process.kill()
             process.wait()
+
+
+@pytest.fixture
+def supervisor(redis_server: RedisServer, tmp_path: Path) -> Iterator[tuple[str, list[int]]]:
+    with running_supervisor(redis_server, tmp_path) as (address, admins, _):
+        yield address, admins
 
 
 @pytest.mark.redis
@@ -212,3 +225,31 @@ def test_each_worker_gets_its_own_events_port() -> None:
     assert grpcs == ["127.0.0.1:7000", "127.0.0.1:7001", "127.0.0.1:7002"]
     args.envoy_events = ""
     assert all("--envoy-events" not in command for command in worker_commands(args, "a:1"))
+
+
+@pytest.mark.redis
+def test_a_hung_worker_is_killed_and_restarted(redis_server: RedisServer, tmp_path: Path) -> None:
+    """A stopped worker does not exit, and holds its ports while every stream Envoy sends it
+    times out: once its /healthz has been silent for --worker-liveness-timeout, the
+    supervisor kills it and starts a new one in its place."""
+    extra = ["--worker-liveness-timeout", "1.5"]
+    with running_supervisor(redis_server, tmp_path, extra) as (_, admins, process):
+        before = worker_pids(process.pid, "--admin")
+        victim = before[admins[1]]
+        os.kill(victim, signal.SIGSTOP)
+        try:
+            wait_for(
+                lambda: worker_pids(process.pid, "--admin").get(admins[1], victim) != victim,
+                30, "the hung worker replaced",
+            )  # fmt: skip
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(victim, signal.SIGCONT)
+        wait_for(
+            lambda: http_get(f"http://127.0.0.1:{admins[1]}/readyz")[0] == 200, 60, "the new one"
+        )
+        assert not Path(f"/proc/{victim}").exists(), "the hung worker was not killed"
+        # The other worker was left alone.
+        assert worker_pids(process.pid, "--admin")[admins[0]] == before[admins[0]]
+    log_text = (tmp_path / "supervisor.log").read_text(errors="replace")
+    assert f"worker 1 (pid {victim}) has not answered" in log_text, log_text[-2000:]

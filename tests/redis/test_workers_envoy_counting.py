@@ -28,7 +28,7 @@ from tests.conftest import TEST_KEYS, free_port, policy_yaml
 from tests.dataplane.harness import RunningGateway, started
 from tests.dataplane.test_accounting import envoy_stat, scrape, usage_of_stream
 from tests.dataplane.test_admission import settled
-from tests.redis.support import RedisServer, http_get, wait_for
+from tests.redis.support import RedisServer, http_get, wait_for, worker_pids
 
 pytestmark = [pytest.mark.redis, pytest.mark.dataplane]
 
@@ -156,22 +156,12 @@ LONG = 8_000
 outlives the worker's restart."""
 
 
-def worker_pids(gateway: RunningGateway) -> dict[int, int]:
-    """Worker index -> pid: the supervisor's children, told apart by their --grpc port."""
+def workers_by_index(gateway: RunningGateway) -> dict[int, int]:
+    """Worker index -> pid."""
     supervisor = next(c for c in gateway.stack.children if c.name == "extproc").process
     assert supervisor is not None
     base = int(gateway.config.grpc.rpartition(":")[2])
-    pids: dict[int, int] = {}
-    children = Path(f"/proc/{supervisor.pid}/task/{supervisor.pid}/children").read_text()
-    for pid in map(int, children.split()):
-        try:
-            argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-        except FileNotFoundError:  # exited between the two reads
-            continue
-        if b"--grpc" in argv:
-            port = int(argv[argv.index(b"--grpc") + 1].rpartition(b":")[2])
-            pids[port - base] = pid
-    return pids
+    return {port - base: pid for port, pid in worker_pids(supervisor.pid).items()}
 
 
 def refuses(port: int) -> bool:
@@ -213,7 +203,7 @@ async def test_a_crashed_worker_costs_no_request_and_leaks_nothing(
             assert time.monotonic() < deadline, "no worker holds the stream"
             await asyncio.sleep(0.02)
         (victim,) = holding
-        pids = worker_pids(gateway)
+        pids = workers_by_index(gateway)
         assert len(pids) == WORKERS, pids
         victim_port = int(gateway.config.grpc.rpartition(":")[2]) + victim
         os.kill(pids[victim], signal.SIGKILL)
@@ -238,7 +228,7 @@ async def test_a_crashed_worker_costs_no_request_and_leaks_nothing(
         assert usage is not None and usage["completion_tokens"] == LONG
 
         # The supervisor starts the worker again, on its ports; it serves and counts.
-        wait_for(lambda: worker_pids(gateway).get(victim, pids[victim]) != pids[victim], 30,
+        wait_for(lambda: workers_by_index(gateway).get(victim, pids[victim]) != pids[victim], 30,
                  "a new worker")  # fmt: skip
         wait_for(lambda: http_get(urls[victim] + "/readyz")[0] == 200, 60, "the new worker")
         admitted = 0
