@@ -180,8 +180,9 @@ async def test_a_crashed_worker_costs_no_request_and_leaks_nothing(
 ) -> None:
     """kill -9 of the worker streaming a response: the response goes on to its end; requests
     sent while the worker is down are all served (Envoy opens their ext_proc stream on the
-    other worker: `service_stream_retry`); the restarted worker counts what it admits; and
-    nothing stays held, in either worker or in Redis."""
+    other worker: `service_stream_retry`); the restarted worker counts what it admits, and
+    the interrupted stream's tokens too; and nothing stays held, in either worker or in
+    Redis."""
     urls = admin_urls(gateway)
     headers = {"authorization": f"Bearer {TEST_KEYS['acme']}"}
     url = gateway.base_url + "/v1/chat/completions"
@@ -248,9 +249,15 @@ async def test_a_crashed_worker_costs_no_request_and_leaks_nothing(
         while not await all_settled(session, urls):
             assert time.monotonic() < deadline, [await tenants(session, u) for u in urls]
             await asyncio.sleep(0.05)
-        values = await scrape(session, urls[victim] + "/metrics")
-    own = values.get(("extproc_accounting_attached_total", ("process", "admitting")), 0.0)
+        metrics = [await scrape(session, u + "/metrics") for u in urls]
+    own = metrics[victim].get(("extproc_accounting_attached_total", ("process", "admitting")), 0.0)
     assert own == admitted, (own, admitted)
+    # The stream the dead worker admitted is counted whole all the same: its counting calls
+    # and its end reach the worker's successor, which finds its lease in Redis (it restarts
+    # well within the stream's ~8 s and `state.lease_ttl`).
+    for direction, reported in (("input", "prompt_tokens"), ("output", "completion_tokens")):
+        key = ("extproc_tokens_total", ("direction", direction), ("tenant", "acme"))
+        assert sum(values.get(key, 0.0) for values in metrics) == usage[reported], direction
     store = redis.Redis.from_url(redis_server.url)
     try:
         leases = {key: store.zcard(key) for key in store.scan_iter("extproc:pl:*")}
