@@ -106,6 +106,7 @@ def _envoy_render(args: argparse.Namespace) -> int:
         admin=args.envoy_admin,
         pool_endpoints=overrides,
         envoy_events=args.count_in_envoy or None,
+        extproc_health=args.extproc_health or None,
         one_round_trip=args.one_round_trip,
     )
     try:
@@ -155,6 +156,11 @@ def build_parser() -> argparse.ArgumentParser:
     render.add_argument(
         "--accounting", default="", metavar="HOST:PORT",
         help="the accounting filter's own cluster (`serve --accounting-grpc`); default: --extproc",
+    )  # fmt: skip
+    render.add_argument(
+        "--extproc-health", default="", metavar="HOST:PORT[,...]",
+        help="the admin address of each --extproc address, same order: Envoy asks its /healthz "
+        "every second and sends no new stream to a process that stops answering",
     )  # fmt: skip
     render.add_argument(
         "--count-in-envoy", default="", metavar="HOST:PORT",

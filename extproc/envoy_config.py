@@ -21,6 +21,7 @@ from envoy_data_plane.envoy.config.cluster.v3 import (
     CircuitBreakers,
     CircuitBreakersThresholds,
     Cluster,
+    ClusterCommonLbConfig,
     ClusterDiscoveryType,
 )
 from envoy_data_plane.envoy.config.common.mutation_rules.v3 import (
@@ -34,6 +35,8 @@ from envoy_data_plane.envoy.config.core.v3 import (
     HeaderValue,
     HeaderValueOption,
     HeaderValueOptionHeaderAppendAction,
+    HealthCheck,
+    HealthCheckHttpHealthCheck,
     Http2ProtocolOptions,
     KeepaliveSettings,
     RetryPolicy,
@@ -45,6 +48,7 @@ from envoy_data_plane.envoy.config.core.v3 import (
 from envoy_data_plane.envoy.config.endpoint.v3 import (
     ClusterLoadAssignment,
     Endpoint,
+    EndpointHealthCheckConfig,
     LbEndpoint,
     LocalityLbEndpoints,
 )
@@ -129,6 +133,10 @@ class RenderOptions:
     ignored. Several comma-separated, one per worker (`serve --workers N --worker-ports
     distinct`), in the order of the `extproc` addresses: each request's calls and its end
     then go to the worker that admitted it (`counting_workers`)."""
+    extproc_health: str | None = None
+    """The admin address of each `extproc` address (comma-separated, in the same order), whose
+    `/healthz` Envoy asks every second: a service process that stops answering (hung) gets no
+    new stream (`health_checked`). With several workers `extproc up` sets it."""
     one_round_trip: bool = False
     """Envoy sends the request body without waiting for the reply to its headers, so it
     waits on the service once per request, not twice (`STREAMED` body with
@@ -209,6 +217,37 @@ def _cluster(name: str, endpoints: list[str], http2: bool) -> Cluster:
             )
         )
         cluster.typed_extension_protocol_options = {_HTTP2_OPTIONS_KEY: AnyProto.pack(options)}
+    return cluster
+
+
+def health_checked(cluster: Cluster, admins: list[str]) -> Cluster:
+    """`cluster` (one endpoint per admin address, same order) with Envoy asking each endpoint's
+    `/healthz` on its admin address: served on the process's event loop, so a hung process
+    stops answering it. Two missed answers take the endpoint out of the balancing (~2-3 s);
+    the streams it holds end at their message timeout. With every endpoint out, Envoy's
+    panic mode sends to them all, as without the check."""
+    assert cluster.load_assignment is not None
+    (locality,) = cluster.load_assignment.endpoints
+    if len(admins) != len(locality.lb_endpoints):
+        raise ValueError(
+            f"cluster {cluster.name}: {len(locality.lb_endpoints)} endpoints but "
+            f"{len(admins)} health addresses"
+        )
+    for lb_endpoint, admin in zip(locality.lb_endpoints, admins, strict=True):
+        assert lb_endpoint.endpoint is not None
+        lb_endpoint.endpoint.health_check_config = EndpointHealthCheckConfig(address=_socket(admin))
+    cluster.health_checks = [
+        HealthCheck(
+            timeout=_seconds(1.0),
+            interval=_seconds(1.0),
+            no_traffic_interval=_seconds(1.0),
+            unhealthy_threshold=2,
+            healthy_threshold=1,
+            http_health_check=HealthCheckHttpHealthCheck(path="/healthz"),
+        )
+    ]
+    # Envoy merges host-set changes over 1 s by default: a verdict applies at once instead.
+    cluster.common_lb_config = ClusterCommonLbConfig(update_merge_window=_seconds(0.0))
     return cluster
 
 
@@ -497,6 +536,8 @@ def build_bootstrap(policy: Policy, options: RenderOptions) -> Bootstrap:
     pool_endpoints = options.pool_endpoints or {}
     # Several ext_proc endpoints (workers on distinct ports) are comma-separated.
     clusters = [_cluster(EXTPROC_CLUSTER, options.extproc.split(","), http2=True)]
+    if options.extproc_health:
+        clusters[0] = health_checked(clusters[0], options.extproc_health.split(","))
     if options.envoy_events:
         clusters += _counting_clusters(options)
     elif options.accounting:

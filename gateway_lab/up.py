@@ -265,6 +265,10 @@ def build_stack(config: StackConfig, policy: Policy) -> Stack:
         envoy_events=",".join(worker_addresses(events, config.workers, "distinct"))
         if events
         else None,
+        # Several workers: Envoy stops sending new streams to one that hangs.
+        extproc_health=",".join(worker_admins(config))
+        if config.workers > 1 and config.worker_ports == "distinct"
+        else None,
     )
     stack.children.append(
         envoy_child(config.workdir, policy, options, log_level="warn", stop_rank=STOP_LAST)

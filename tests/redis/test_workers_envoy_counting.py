@@ -6,6 +6,7 @@ worker), so no response is accounted by another process, and every token is coun
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import random
 import signal
@@ -34,6 +35,16 @@ pytestmark = [pytest.mark.redis, pytest.mark.dataplane]
 
 WORKERS = 2
 LIMITS = "{requests_per_minute: 6000, tokens_per_minute: 10000000, max_queued: 500}"
+
+
+def health_flags(gateway: RunningGateway, address: str) -> str:
+    """What Envoy's /clusters says of the ext_proc cluster's endpoint at `address`."""
+    status, body = http_get(f"http://{gateway.config.envoy_admin}/clusters", timeout=2)
+    assert status == 200
+    prefix = f"extproc::{address}::health_flags::"
+    lines = [line for line in body.decode().splitlines() if line.startswith(prefix)]
+    assert lines, f"no {prefix} in Envoy's /clusters"
+    return lines[0][len(prefix) :]
 
 
 @pytest.fixture
@@ -66,6 +77,10 @@ def gateway(redis_server: RedisServer, tmp_path: Path) -> Iterator[RunningGatewa
             wait_for(
                 lambda p=port: http_get(f"http://127.0.0.1:{p}/readyz")[0] == 200, 60, "workers"
             )
+        base = int(grpc.rpartition(":")[2])
+        for i in range(WORKERS):  # and Envoy's health check has seen each (`health_checked`)
+            address = f"127.0.0.1:{base + i}"
+            wait_for(lambda a=address: health_flags(running, a) == "healthy", 15, "healthy")
         yield running
 
 
@@ -264,3 +279,27 @@ async def test_a_crashed_worker_costs_no_request_and_leaks_nothing(
     finally:
         store.close()
     assert all(count == 0 for count in leases.values()), leases
+
+
+async def test_a_hung_worker_gets_no_new_stream(gateway: RunningGateway) -> None:
+    """A stopped worker keeps its ports: a stream sent to it would wait for Envoy's message
+    timeout and end in a 503. Envoy asks each worker's /healthz (`health_checked`) and, once
+    the hung one misses two answers, sends every new request to the other."""
+    base = int(gateway.config.grpc.rpartition(":")[2])
+    victim = workers_by_index(gateway)[1]
+    address = f"127.0.0.1:{base + 1}"
+    assert health_flags(gateway, address) == "healthy"
+    os.kill(victim, signal.SIGSTOP)
+    try:
+        wait_for(lambda: "failed_active_hc" in health_flags(gateway, address), 15, "the flag")
+        started = time.monotonic()
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as session:
+            served = await asyncio.gather(
+                *(one_request(session, gateway, "globex", "plain", seed) for seed in range(8))
+            )
+        assert all(usage["completion_tokens"] > 0 for usage in served)
+        # None waited for the message timeout (5 s) of a stream sent to the stopped worker.
+        assert time.monotonic() - started < 4.0
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(victim, signal.SIGCONT)

@@ -287,3 +287,34 @@ def test_a_stream_refused_by_one_service_process_is_opened_on_another() -> None:
             (predicate,) = retry["retryHostPredicate"]
             assert predicate["name"] == "envoy.retry_host_predicates.previous_hosts"
             assert int(retry["numRetries"]) >= 1
+
+
+def test_workers_health_is_checked_on_their_admin_port_when_given() -> None:
+    """`--extproc-health` (what `extproc up --workers N` renders): Envoy asks each worker's
+    /healthz on its admin address, so a hung one gets no new stream; without it, no check."""
+    policy = policy_from_text(policy_yaml())
+    plain = json.loads(
+        render_bootstrap(policy, RenderOptions(extproc="127.0.0.1:7000,127.0.0.1:7001"))
+    )
+    assert "healthChecks" not in plain["staticResources"]["clusters"][0]
+    options = RenderOptions(
+        extproc="127.0.0.1:7000,127.0.0.1:7001", extproc_health="127.0.0.1:9000,127.0.0.1:9001"
+    )
+    extproc = json.loads(render_bootstrap(policy, options))["staticResources"]["clusters"][0]
+    assert extproc["name"] == "extproc"
+    (check,) = extproc["healthChecks"]
+    assert check["httpHealthCheck"]["path"] == "/healthz"
+    assert check["unhealthyThreshold"] == 2 and check["interval"] == "1s"
+    assert extproc["commonLbConfig"]["updateMergeWindow"] == "0s"  # verdicts apply at once
+    checked = [
+        (
+            e["endpoint"]["address"]["socketAddress"]["portValue"],
+            e["endpoint"]["healthCheckConfig"]["address"]["socketAddress"]["portValue"],
+        )
+        for e in extproc["loadAssignment"]["endpoints"][0]["lbEndpoints"]
+    ]
+    assert checked == [(7000, 9000), (7001, 9001)]
+    with pytest.raises(ValueError, match="2 endpoints but 1 health addresses"):
+        render_bootstrap(
+            policy, RenderOptions(extproc=options.extproc, extproc_health="127.0.0.1:9000")
+        )
