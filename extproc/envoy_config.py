@@ -137,6 +137,10 @@ class RenderOptions:
     """The admin address of each `extproc` address (comma-separated, in the same order), whose
     `/healthz` Envoy asks every second: a service process that stops answering (hung) gets no
     new stream (`health_checked`). With several workers `extproc up` sets it."""
+    stream_retry: bool | None = None
+    """Envoy opens an admission stream refused by one service process on another
+    (`service_stream_retry`). None: when `extproc` lists several addresses (a single one
+    has no other to try); meshes whose cluster holds every replica set it themselves."""
     one_round_trip: bool = False
     """Envoy sends the request body without waiting for the reply to its headers, so it
     waits on the service once per request, not twice (`STREAMED` body with
@@ -312,10 +316,15 @@ def _drain_filter() -> HttpFilter:
 
 
 def service_stream_retry() -> RetryPolicy:
-    """Open a stream that could not reach a service process on another one: with several
-    (`serve --workers N --worker-ports distinct`, replicas), a crashed worker costs no request
-    while another serves, until its restart. Only a connection refused or a stream refused
-    before the service read anything is retried, so no request is decided twice."""
+    """Open an admission stream that could not reach a service process on another one: with
+    several (`serve --workers N --worker-ports distinct`, replicas), a crashed worker costs no
+    request while another serves, until its restart. Only a connection refused or a stream
+    refused before the service read anything is retried, so no request is decided twice.
+
+    The price: with a retry policy Envoy keeps a copy of what it sent on the stream (the
+    request's headers and body) until the stream ends, at the forward; a held request's body
+    is then in Envoy's memory twice. Not on the accounting filter, whose stream carries every
+    chunk of the response."""
     return RetryPolicy(
         retry_on="connect-failure,refused-stream",
         num_retries=2,
@@ -330,7 +339,7 @@ def service_stream_retry() -> RetryPolicy:
     )
 
 
-def _admission_filter(policy: Policy, one_round_trip: bool) -> HttpFilter:
+def _admission_filter(policy: Policy, one_round_trip: bool, retry: bool) -> HttpFilter:
     hold_cap = envoy_hold_limit(policy.source)
     body_mode = (
         ProcessingModeBodySendMode.STREAMED
@@ -341,7 +350,7 @@ def _admission_filter(policy: Policy, one_round_trip: bool) -> HttpFilter:
         grpc_service=GrpcService(
             envoy_grpc=GrpcServiceEnvoyGrpc(cluster_name=EXTPROC_CLUSTER),
             timeout=_seconds(hold_cap),
-            retry_policy=service_stream_retry(),
+            retry_policy=service_stream_retry() if retry else None,
         ),
         failure_mode_allow=False,
         # The service unreachable: fail closed with a 503 (+ Retry-After, extproc.envoy_routes).
@@ -378,7 +387,6 @@ def _accounting_filter(cluster: str) -> HttpFilter:
         grpc_service=GrpcService(
             envoy_grpc=GrpcServiceEnvoyGrpc(cluster_name=cluster),
             initial_metadata=[HeaderValue(key=ROLE_METADATA, value=ACCOUNTING_ROLE)],
-            retry_policy=service_stream_retry(),
         ),
         failure_mode_allow=True,
         observability_mode=True,
@@ -498,7 +506,7 @@ def build_bootstrap(policy: Policy, options: RenderOptions) -> Bootstrap:
             *(
                 [
                     _header_mutations(),
-                    _admission_filter(policy, options.one_round_trip),
+                    _admission_filter(policy, options.one_round_trip, _stream_retry(options)),
                     _response_counter(options),
                 ]
                 if options.extproc_filters
@@ -557,6 +565,12 @@ def build_bootstrap(policy: Policy, options: RenderOptions) -> Bootstrap:
         admin=Admin(address=_socket(options.admin)),
         static_resources=BootstrapStaticResources(listeners=[listener], clusters=clusters),
     )
+
+
+def _stream_retry(options: RenderOptions) -> bool:
+    if options.stream_retry is not None:
+        return options.stream_retry
+    return len(options.extproc.split(",")) > 1
 
 
 def render_bootstrap(policy: Policy, options: RenderOptions) -> str:

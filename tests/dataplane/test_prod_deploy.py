@@ -95,7 +95,9 @@ def events_port() -> int:
 def rendered_counting(policy: Policy) -> dict[str, Any]:
     """The render in the layout the mesh files use: Envoy counts (`--count-in-envoy`)."""
     fqdn, _ = service_fqdn()
-    return rendered(policy, RenderOptions(envoy_events=f"{fqdn}:{events_port()}"))
+    # Istio's cluster holds every replica of the Service: the admission stream is retried.
+    options = RenderOptions(envoy_events=f"{fqdn}:{events_port()}", stream_retry=True)
+    return rendered(policy, options)
 
 
 def access_log(

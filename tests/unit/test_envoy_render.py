@@ -267,26 +267,35 @@ def test_several_workers_each_get_their_events_and_ends() -> None:
 
 
 def test_a_stream_refused_by_one_service_process_is_opened_on_another() -> None:
-    """A worker that crashed refuses connections until its restart: Envoy opens the ext_proc
-    stream on another process instead of answering 503. Only refusals before the service read
-    anything are retried, so a request is never decided twice."""
-    options = RenderOptions(
+    """A worker that crashed refuses connections until its restart: with several service
+    processes Envoy opens the admission stream on another instead of answering 503. Only
+    refusals before the service read anything are retried, so a request is never decided
+    twice. One process has no other to try; the accounting stream is never retried (Envoy
+    would keep a copy of every response chunk sent on it)."""
+    policy = policy_from_text(policy_yaml())
+
+    def retries(options: RenderOptions) -> dict[str, Any]:
+        manager = manager_of(json.loads(render_bootstrap(policy, options)))
+        found = {}
+        for f in manager["httpFilters"]:
+            if f["name"] in (ADMISSION_FILTER, ACCOUNTING_FILTER):
+                found[f["name"]] = f["typedConfig"]["grpcService"].get("retryPolicy")
+        return found
+
+    workers = RenderOptions(
         extproc="127.0.0.1:7000,127.0.0.1:7001", envoy_events="127.0.0.1:7100,127.0.0.1:7101"
     )
-    for render in (options, RenderOptions(), RenderOptions(accounting="127.0.0.1:7200")):
-        manager = manager_of(json.loads(render_bootstrap(policy_from_text(policy_yaml()), render)))
-        streams = [
-            f["typedConfig"]["grpcService"]
-            for f in manager["httpFilters"]
-            if f["name"] in (ADMISSION_FILTER, ACCOUNTING_FILTER)
-        ]
-        assert streams
-        for stream in streams:
-            retry = stream["retryPolicy"]
-            assert set(retry["retryOn"].split(",")) == {"connect-failure", "refused-stream"}
-            (predicate,) = retry["retryHostPredicate"]
-            assert predicate["name"] == "envoy.retry_host_predicates.previous_hosts"
-            assert int(retry["numRetries"]) >= 1
+    retry = retries(workers)[ADMISSION_FILTER]
+    assert set(retry["retryOn"].split(",")) == {"connect-failure", "refused-stream"}
+    (predicate,) = retry["retryHostPredicate"]
+    assert predicate["name"] == "envoy.retry_host_predicates.previous_hosts"
+    assert int(retry["numRetries"]) >= 1
+    assert retries(RenderOptions()) == {ADMISSION_FILTER: None, ACCOUNTING_FILTER: None}
+    shared = retries(RenderOptions(extproc="127.0.0.1:7000,127.0.0.1:7001"))
+    assert shared[ADMISSION_FILTER] == retry and shared[ACCOUNTING_FILTER] is None
+    assert retries(RenderOptions(stream_retry=True))[ADMISSION_FILTER] == retry  # a mesh's
+    extproc = json.loads(render_bootstrap(policy, workers))["staticResources"]["clusters"][0]
+    assert extproc["circuitBreakers"]["thresholds"][0]["maxRetries"] >= 100_000
 
 
 def test_workers_health_is_checked_on_their_admin_port_when_given() -> None:
