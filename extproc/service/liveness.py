@@ -11,6 +11,7 @@ has that probe.
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 import urllib.error
@@ -21,6 +22,8 @@ from extproc.envoy_config import split_host_port
 LIVENESS_TIMEOUT_S = 10.0
 """The default: twice `gateway.message_timeout`'s default, so a loop silent this long has failed
 every stream Envoy sent it meanwhile."""
+log = logging.getLogger("extproc.workers")
+
 STARTING_GRACE_S = 60.0
 """How long a new worker may take to answer `/healthz` the first time (imports, on a loaded
 host): the timeout applies from its first answer."""
@@ -89,6 +92,11 @@ class LivenessWatch:
             asked_at = time.monotonic()
             if answers(self.url, timeout_s=min(self.interval_s, self.timeout_s)):
                 with self._lock:
+                    first = self._answered_at is None
                     if asked_at >= self._started_at:  # not an answer of the previous process
                         self._answered_at = asked_at
+                    else:
+                        first = False
+                if first:  # from now on, silence longer than the timeout kills it
+                    log.info("%s answers: watched", self.url)
             self._stop.wait(max(0.0, self.interval_s - (time.monotonic() - asked_at)))

@@ -236,6 +236,10 @@ def test_a_hung_worker_is_killed_and_restarted(redis_server: RedisServer, tmp_pa
     with running_supervisor(redis_server, tmp_path, extra) as (_, admins, process):
         before = worker_pids(process.pid, "--admin")
         victim = before[admins[1]]
+        log_path = tmp_path / "supervisor.log"
+        watched = f"127.0.0.1:{admins[1]}/healthz answers: watched"
+        # A worker gets a start-up grace until its first answer: stop it once it is watched.
+        wait_for(lambda: watched in log_path.read_text(errors="replace"), 30, "the watch")
         os.kill(victim, signal.SIGSTOP)
         try:
             wait_for(
