@@ -156,6 +156,11 @@ def split_host_port(address: str) -> tuple[str, int]:
     return host.strip("[]"), int(port)
 
 
+def bracketed(host: str) -> str:
+    """`host` as it stands before `:port` (an IPv6 address in brackets)."""
+    return f"[{host}]" if ":" in host else host
+
+
 def _socket(address: str) -> Address:
     host, port = split_host_port(address)
     return Address(socket_address=SocketAddress(address=host, port_value=port))
@@ -584,6 +589,7 @@ __all__ = [
     "ADMISSION_FILTER",
     "RenderOptions",
     "admission_response_headers",
+    "bracketed",
     "build_bootstrap",
     "counting_workers",
     "render_bootstrap",

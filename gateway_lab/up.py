@@ -186,7 +186,7 @@ def response_counting(
 def _next_free(grpc: str, count: int) -> str:
     """The first of `count` consecutive free ports after the `count` gRPC ports from
     `grpc`'s (one per worker), else of ones the kernel picks."""
-    from extproc.service.workers import bracketed
+    from extproc.envoy_config import bracketed
 
     host, port = split_host_port(grpc)
     return f"{bracketed(host)}:{free_ports(host, port + max(1, count), count)}"

@@ -2,11 +2,40 @@
 
 from __future__ import annotations
 
+import contextlib
+import http.server
 import random
 import socket
+import threading
+from collections.abc import Iterator
 from pathlib import Path
 
 from extproc.policy import hash_key
+
+
+@contextlib.contextmanager
+def health_endpoint(path: str) -> Iterator[str]:
+    """A loopback HTTP server answering 200 on `GET path` (404 elsewhere), for probes under
+    test; yields its base URL."""
+
+    class Health(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            self.send_response(200 if self.path == path else 404)
+            self.send_header("content-length", "0")
+            self.end_headers()
+
+        def log_message(self, *_: object) -> None:
+            return
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Health)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
+
 
 TEST_KEYS = {"acme": "key-acme", "globex": "key-globex", "initech": "key-initech"}
 

@@ -17,7 +17,7 @@ import time
 import urllib.error
 import urllib.request
 
-from extproc.envoy_config import split_host_port
+from extproc.envoy_config import bracketed, split_host_port
 
 LIVENESS_TIMEOUT_S = 10.0
 """The default: twice `gateway.message_timeout`'s default, so a loop silent this long has failed
@@ -38,7 +38,7 @@ def healthz_url(admin: str) -> str | None:
         host = "127.0.0.1"
     elif host == "::":
         host = "::1"
-    return f"http://{f'[{host}]' if ':' in host else host}:{port}/healthz"
+    return f"http://{bracketed(host)}:{port}/healthz"
 
 
 def answers(url: str, timeout_s: float) -> bool:
@@ -92,11 +92,10 @@ class LivenessWatch:
             asked_at = time.monotonic()
             if answers(self.url, timeout_s=min(self.interval_s, self.timeout_s)):
                 with self._lock:
-                    first = self._answered_at is None
-                    if asked_at >= self._started_at:  # not an answer of the previous process
+                    current = asked_at >= self._started_at  # not the previous process's answer
+                    first = current and self._answered_at is None
+                    if current:
                         self._answered_at = asked_at
-                    else:
-                        first = False
                 if first:  # from now on, silence longer than the timeout kills it
                     log.info("%s answers: watched", self.url)
             self._stop.wait(max(0.0, self.interval_s - (time.monotonic() - asked_at)))

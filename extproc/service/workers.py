@@ -47,16 +47,18 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TypeVar
 
-from extproc.envoy_config import split_host_port
+from extproc.envoy_config import bracketed, split_host_port
 from extproc.policy import PolicyError, load_policy
 from extproc.service.liveness import LIVENESS_TIMEOUT_S, LivenessWatch, healthz_url
 from extproc.types import WORKER_INDEX_ENV
 
 log = logging.getLogger("extproc.workers")
+_N = TypeVar("_N", int, float)
 
 WORKER_PORTS = ("shared", "distinct")
 RESTART_BACKOFF_MIN_S, RESTART_BACKOFF_MAX_S = 0.5, 30.0
@@ -70,7 +72,7 @@ def add_arguments(parser: argparse.ArgumentParser, default_ports: str = "shared"
     """The worker flags of `extproc serve` (and of `extproc up`, whose Envoy balances best
     over distinct ports: `default_ports="distinct"`)."""
     parser.add_argument(
-        "--workers", type=int, default=int(_env_number("EXTPROC_WORKERS", 1, int)), metavar="N",
+        "--workers", type=int, default=_env_number("EXTPROC_WORKERS", 1, int), metavar="N",
         help="service processes (default %(default)s; with N > 1 use state.backend redis)",
     )  # fmt: skip
     parser.add_argument(
@@ -93,7 +95,7 @@ WORKER_COUNT_ENV = "EXTPROC_WORKER_COUNT"
 """Set for each worker: how many processes of this service share the engines."""
 
 
-def _env_number(name: str, default: float, kind: type[int] | type[float]) -> float:
+def _env_number(name: str, default: _N, kind: Callable[[str], _N]) -> _N:
     raw = os.environ.get(name, "").strip()
     if not raw:
         return default
@@ -119,11 +121,6 @@ def worker_addresses(address: str, workers: int, ports: str) -> list[str]:
     if ports == "shared":
         return [address]
     return [worker_address(address, i, ports) for i in range(workers)]
-
-
-def bracketed(host: str) -> str:
-    """`host` as it stands before `:port` (an IPv6 address in brackets)."""
-    return f"[{host}]" if ":" in host else host
 
 
 def check_state(policy_path: str, workers: int, allow_unshared: bool) -> str | None:

@@ -3,15 +3,13 @@ silent worker is overdue."""
 
 from __future__ import annotations
 
-import threading
 import time
 from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
 from extproc.service.liveness import STARTING_GRACE_S, LivenessWatch, healthz_url
-from tests.conftest import free_port
+from tests.conftest import free_port, health_endpoint
 
 
 def test_healthz_url() -> None:
@@ -22,26 +20,10 @@ def test_healthz_url() -> None:
     assert healthz_url("127.0.0.1:0") is None  # the kernel's choice: not known here
 
 
-class _Healthz(BaseHTTPRequestHandler):
-    def do_GET(self) -> None:
-        self.send_response(200 if self.path == "/healthz" else 404)
-        self.send_header("content-length", "0")
-        self.end_headers()
-
-    def log_message(self, *_: object) -> None:
-        pass
-
-
 @pytest.fixture
 def healthz() -> Iterator[str]:
-    server = ThreadingHTTPServer(("127.0.0.1", 0), _Healthz)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield f"http://127.0.0.1:{server.server_address[1]}/healthz"
-    finally:
-        server.shutdown()
-        server.server_close()
+    with health_endpoint("/healthz") as url:
+        yield url + "/healthz"
 
 
 def test_a_silent_worker_gets_the_start_grace_then_is_overdue() -> None:

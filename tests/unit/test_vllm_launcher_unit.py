@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import http.server
 import subprocess
 import sys
-import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -31,6 +29,7 @@ from gateway_lab.vllm_cpu.model_builder import (
     special_token_table,
     vocab_and_merges,
 )
+from tests.conftest import health_endpoint
 
 
 def _flag(command: list[str], name: str) -> str:
@@ -111,26 +110,10 @@ def test_wait_ready_times_out_and_stop_kills_the_group(tmp_path: Path) -> None:
     assert proc.returncode is not None
 
 
-class _Health(http.server.BaseHTTPRequestHandler):
-    def do_GET(self) -> None:
-        self.send_response(200 if self.path == "/health" else 404)
-        self.send_header("content-length", "0")
-        self.end_headers()
-
-    def log_message(self, *args: object) -> None:
-        return
-
-
 @pytest.fixture
 def health_url() -> Iterator[str]:
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Health)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield f"http://127.0.0.1:{server.server_address[1]}"
-    finally:
-        server.shutdown()
-        server.server_close()
+    with health_endpoint("/health") as url:
+        yield url
 
 
 def test_wait_ready_returns_once_healthy(tmp_path: Path, health_url: str) -> None:
