@@ -13,7 +13,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from extproc.endpoints import ENDPOINT_CLASSES, ENDPOINTS
-from extproc.policy.model import DEFAULT_HEADROOM_MAX, LatencyDelta, PolicyFile, Pool
+from extproc.policy.model import (
+    DEFAULT_HEADROOM_MAX,
+    AloneMultiple,
+    LatencyDelta,
+    Objective,
+    PolicyFile,
+    Pool,
+)
 
 ADAPTIVE_INITIAL_MAX = 16
 """The adaptive limit's start without `initial_inflight` (extproc.scheduler.adaptive)."""
@@ -123,8 +130,12 @@ def _objectives(delta: LatencyDelta) -> str:
         ("every_token", delta.every_token),
         ("token_gap", delta.token_gap),
     )
-    watched = ", ".join(f"{kind} {value * 1000:g} ms" for kind, value in kinds if value is not None)
+    watched = ", ".join(f"{kind} {_objective(value)}" for kind, value in kinds if value is not None)
     return watched if delta.quantile is None else f"{watched} at P{delta.quantile * 100:g}"
+
+
+def _objective(value: Objective) -> str:
+    return str(value) if isinstance(value, AloneMultiple) else f"{value * 1000:g} ms"
 
 
 def _locality_line(pool: Pool) -> str:

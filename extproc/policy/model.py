@@ -7,6 +7,7 @@ Cross-field rules (a tenant naming an unknown tier, a key used twice) live in
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 from typing import Annotated, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
@@ -83,18 +84,63 @@ class Tenant(StrictModel):
     max_priority: int | None = None
 
 
+_ALONE_MULTIPLE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*x\s*$")
+
+
+@dataclass(frozen=True)
+class AloneMultiple:
+    """A δ objective relative to alone ("2x"): the token within `times` x the time it would
+    take alone, so its allowed lag is (times - 1) x that alone time. Unlike a duration it
+    means the same on engines of any speed."""
+
+    times: float
+
+    def allowed_lag(self, alone_s: float) -> float:
+        return (self.times - 1.0) * alone_s
+
+    def __str__(self) -> str:
+        return f"{self.times:g}x alone"
+
+
+def parse_objective(value: object) -> float | AloneMultiple:
+    """A δ objective: a duration ("30ms": at most that much later than alone, in seconds)
+    or a multiple of the alone time ("2x")."""
+    if isinstance(value, AloneMultiple):
+        return value
+    if isinstance(value, str):
+        match = _ALONE_MULTIPLE.match(value)
+        if match:
+            times = float(match.group(1))
+            if times <= 1.0:
+                raise ValueError(f"{value!r}: a multiple of the alone time must be above 1x")
+            return AloneMultiple(times)
+    try:
+        seconds = parse_duration(value)
+    except ValueError:
+        raise ValueError(
+            f"invalid objective {value!r}: use a duration (30ms) or a multiple of alone (2x)"
+        ) from None
+    if seconds <= 0:
+        raise ValueError("an objective must be above 0: a duration (30ms) or a multiple (2x)")
+    return seconds
+
+
+Objective = Annotated[float | AloneMultiple, BeforeValidator(parse_objective)]
+"""Seconds of lag behind alone, or a multiple of the alone time (`AloneMultiple`)."""
+
+
 class LatencyDelta(StrictModel):
     """A tier's δ objectives, per kind of token (extproc/scheduler/latency.py): how much later
     than alone a light tenant of the tier may get them. Each one set steers the pools the
     tenant uses; an unset one is not watched."""
 
-    first_token: PositiveDuration | None = None
+    first_token: Objective | None = None
     """The first token: observed time to first token minus the alone one."""
-    every_token: PositiveDuration | None = None
+    every_token: Objective | None = None
     """Each later token, counted from the request's submit (FairInference's δ): the k-th token
     against alone TTFT + (k - 1) x the alone step, so a response that streams slower than
     alone accumulates lag token after token."""
-    token_gap: PositiveDuration | None = None
+    token_gap: Objective | None = None
     """Each gap between tokens: the gap per token minus the alone step."""
     quantile: Annotated[float, Field(ge=0.5, le=0.999)] | None = None
     """The share of samples the objectives bound (0.99: the P99 of each watched kind). Set,
@@ -110,13 +156,12 @@ class LatencyDelta(StrictModel):
 
 
 def _latency_delta(value: object) -> object:
-    """One duration is the objective for the first token and every later one."""
+    """One objective (a duration or a multiple of alone) is the objective for the first token
+    and every later one."""
     if isinstance(value, dict) or value is None:
         return value
-    seconds = parse_duration(value)
-    if seconds <= 0:
-        raise ValueError("latency_delta must be above 0")
-    return {"first_token": seconds, "every_token": seconds}
+    objective = parse_objective(value)
+    return {"first_token": objective, "every_token": objective}
 
 
 class TierOptions(StrictModel):

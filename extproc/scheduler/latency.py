@@ -23,7 +23,9 @@ request's submit, so the simulator drives the same code.
   budget (in a pool without one, its prompts prefilling at once below f ** `PACING_EXPONENT` x
   its soft limit). A light tenant's tier names what it watches (`LatencyDelta` in
   extproc/policy/model.py): the TTFT δ against `first_token`, the k-th token's lag against
-  `every_token`, each gap's δ against `token_gap`. A sample above its objective cuts f by
+  `every_token`, each gap's δ against `token_gap`; an objective is seconds of lag, or a
+  multiple of the alone time (`2x`: lag up to the alone time, `allowed_lag`), which means
+  the same on fast and slow engines. A sample above its objective cuts f by
   `DECREASE` (at most once per `COOLDOWN_S`); one below half its objective raises it by
   `INCREASE_PER_S` per second of such slack (AIMD), which settles where roughly a third of
   the samples exceed the objective. With the tier's `quantile` q set, the controller tracks
@@ -40,6 +42,8 @@ request's submit, so the simulator drives the same code.
 from __future__ import annotations
 
 import math
+
+from extproc.policy.model import AloneMultiple, Objective
 
 IDLE_INFLIGHT = 1
 """A request admitted while at most this many others were in flight (none prefilling) is a
@@ -177,6 +181,14 @@ class TenantDelta:
 
     def describe(self, now: float) -> dict[str, dict[str, float | int | None]]:
         return {"ttft": self.ttft.describe(now), "tokens": self.tokens.describe(now)}
+
+
+def allowed_lag(objective: Objective, alone_s: float) -> float:
+    """The lag `objective` allows a token that would take `alone_s` alone: a duration as it
+    is, a multiple of alone (`AloneMultiple`) scaled by that time."""
+    if isinstance(objective, AloneMultiple):
+        return objective.allowed_lag(alone_s)
+    return objective
 
 
 class DeltaController:

@@ -4,8 +4,8 @@ real usage, and freeing the lease's capacity exactly once."""
 from __future__ import annotations
 
 from extproc.endpoints import EndpointClass
-from extproc.policy.model import LatencyDelta
-from extproc.scheduler.latency import IDLE_INFLIGHT, LOW_BATCH
+from extproc.policy.model import LatencyDelta, Objective
+from extproc.scheduler.latency import IDLE_INFLIGHT, LOW_BATCH, allowed_lag
 from extproc.scheduler.live import Live, below_class_concurrency, below_concurrency
 from extproc.scheduler.pools import PoolState
 from extproc.scheduler.records import LeaseState, PoolUsage, QueueEntry
@@ -126,7 +126,7 @@ class Leases:
             self._live.delta_of(held.lease.tenant).ttft.add(lag, now)
             objective = self._objective(held)
             if objective is not None:
-                self._steer(pool, lag, objective, objective.first_token, now)
+                self._steer(pool, lag, objective, objective.first_token, alone, now)
         if held.alone_sample and pool.prefilling_tokens == 0:
             # idle at its admission and still no other prompt in the engine at its first token:
             # one admitted meanwhile may have shared its prefill step. Timed from its admission:
@@ -163,11 +163,12 @@ class Leases:
         objective = self._objective(held)
         if objective is None:
             return
-        self._steer(pool, gap - step, objective, objective.token_gap, now)
+        self._steer(pool, gap - step, objective, objective.token_gap, step, now)
         first = alone.ttft(held.ticket.input_tokens)
         if first is not None and objective.every_token is not None:
-            lag = now - self._submitted_at(held) - (first + (held.output_seen - 1) * step)
-            self._steer(pool, lag, objective, objective.every_token, now)
+            alone_until = first + (held.output_seen - 1) * step
+            lag = now - self._submitted_at(held) - alone_until
+            self._steer(pool, lag, objective, objective.every_token, alone_until, now)
 
     def _objective(self, held: LeaseState) -> LatencyDelta | None:
         """The δ objectives of a light tenant's tier (a backlogged tenant's lag steers
@@ -179,11 +180,18 @@ class Leases:
 
     @staticmethod
     def _steer(
-        pool: PoolState, lag: float, objectives: LatencyDelta, bound: float | None, now: float
+        pool: PoolState,
+        lag: float,
+        objectives: LatencyDelta,
+        objective: Objective | None,
+        alone_s: float,
+        now: float,
     ) -> None:
-        """A light tenant's lag drives the pool's δ controller, against `bound`, one of its
-        tier's `objectives` (None: that kind of token is not watched)."""
-        if bound is not None:
+        """A light tenant's lag drives the pool's δ controller, against `objective`, one of
+        its tier's `objectives` (None: that kind of token is not watched); `alone_s` is what
+        the token would have taken alone, for an objective relative to it."""
+        if objective is not None:
+            bound = allowed_lag(objective, alone_s)
             pool.delta.observe(lag, bound, now, objectives.quantile)
 
     def charge_output(

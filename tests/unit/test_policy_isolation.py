@@ -79,3 +79,7 @@ def test_policy_check_explains_the_isolation_settings() -> None:
     assert describe_isolation(policy_from_text(_text(keys, options)).source)[1].startswith(
         "tier standard: latency_delta token_gap 20 ms at P99: a light tenant's lag"
     )
+    options = "tier_options: {standard: {latency_delta: {first_token: 1.8x, token_gap: 5ms}}}\n"
+    assert describe_isolation(policy_from_text(_text(keys, options)).source)[1].startswith(
+        "tier standard: latency_delta first_token 1.8x alone, token_gap 5 ms: a light tenant's"
+    )

@@ -303,6 +303,31 @@ def test_a_token_gap_objective_lets_a_late_first_token_be(objective: str, steere
         assert state == {"factor": 1.0, "violations": 0}
 
 
+@pytest.mark.parametrize(
+    ("objective", "ttft", "gap", "steered"),
+    [
+        ("{first_token: 3x}", 0.12, 0.02, False),  # 77.5 ms late: within 2 x 42.5 ms alone
+        ("{first_token: 3x}", 0.14, 0.02, True),  # 97.5 ms late
+        ("{first_token: 2x}", 0.12, 0.02, True),  # beyond 1 x 42.5 ms
+        ("{token_gap: 2x}", 0.05, 0.035, False),  # 15 ms per gap: within 1 x 20 ms alone
+        ("{token_gap: 2x}", 0.05, 0.045, True),
+        ("2x", 0.07, 0.02, False),  # every token within twice its alone time
+        ("2x", 0.07, 0.06, True),  # the 4th token at 250 ms: 147.5 ms late, 102.5 ms alone
+    ],
+)
+def test_an_objective_relative_to_alone_scales_with_the_alone_time(
+    objective: str, ttft: float, gap: float, steered: bool
+) -> None:
+    """`Nx`: a token may take N times its alone time. Alone: 20 ms per token, and a TTFT of
+    42.5 ms (three 50 ms first tokens and the 20 ms one of the request the step came from)."""
+    sched, clock = _scheduler(objective)
+    state = _quiet_beside_a_flood(sched, clock, ttft=ttft, gap=gap)
+    if steered:
+        assert state["violations"] >= 1 and state["factor"] <= DECREASE
+    else:
+        assert state == {"factor": 1.0, "violations": 0}
+
+
 def test_one_duration_watches_the_first_token_and_every_token() -> None:
     sched, _ = _scheduler("150ms")
     delta = sched.policy.source.tier_options["standard"].latency_delta
@@ -317,11 +342,13 @@ DELTA = "tier_options.standard.latency_delta"
     ("value", "field", "message"),
     [
         ("0s", DELTA, "above 0"),
-        ("-1s", DELTA, "invalid duration"),
-        ("soon", DELTA, "invalid duration"),
-        ("true", DELTA, "a duration must be"),
+        ("-1s", DELTA, "invalid objective"),
+        ("soon", DELTA, "use a duration (30ms) or a multiple of alone (2x)"),
+        ("true", DELTA, "invalid objective"),
+        ("1x", DELTA, "above 1x"),
         ("{}", DELTA, "set at least one of first_token"),
-        ("{first_token: 0s}", f"{DELTA}.first_token", "greater"),
+        ("{first_token: 0s}", f"{DELTA}.first_token", "above 0"),
+        ("{first_token: 0.5x}", f"{DELTA}.first_token", "above 1x"),
         ("{token_gap: soon}", f"{DELTA}.token_gap", "invalid"),
         ("{ttft: 100ms}", f"{DELTA}.ttft", "unknown key"),
         ("{quantile: 0.99}", DELTA, "set at least one of first_token"),
