@@ -13,11 +13,14 @@ PROBE_TIMEOUT_S = 60.0
 
 
 def tree_of_rev(rev: str, into: Path) -> Path:
-    """`git archive` of the revision's extproc/ into `into` (made if missing); returns it."""
+    """`git archive` of the revision's extproc/ and gateway_lab/ into `into` (made if
+    missing); returns it. gateway_lab comes too because extproc's CLI loads its commands
+    (an entry point) when it starts: this checkout's would import modules the other
+    revision's extproc may not have."""
     root = Path(__file__).resolve().parents[2]
     into.mkdir(parents=True, exist_ok=True)
     archive = subprocess.run(
-        ["git", "-C", str(root), "archive", rev, "extproc"],
+        ["git", "-C", str(root), "archive", rev, "extproc", "gateway_lab"],
         check=True,
         capture_output=True,
         timeout=GIT_TIMEOUT_S,

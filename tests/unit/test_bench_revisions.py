@@ -18,7 +18,21 @@ def test_a_revision_is_unpacked_with_its_package(tmp_path: Path) -> None:
     tree = tree_of_rev("HEAD", tmp_path / "before")
     assert tree == tmp_path / "before"
     assert (tree / "extproc" / "__init__.py").is_file()
-    assert not (tree / "gateway_lab").exists()  # only the runtime package
+    assert (tree / "gateway_lab" / "cli.py").is_file()  # the commands its CLI loads
+    assert not (tree / "tests").exists()
+
+
+def test_the_other_trees_cli_loads_its_own_commands(tmp_path: Path) -> None:
+    """`extproc serve` of the other tree starts its CLI, which loads gateway_lab's commands:
+    the other tree's, not this checkout's (which may import modules it lacks)."""
+    tree = tree_of_rev("HEAD", tmp_path / "before")
+    probe = "import extproc.cli, gateway_lab.cli; print(gateway_lab.cli.__file__)"
+    done = subprocess.run(
+        [sys.executable, "-c", probe], cwd=REPO, env=tree_env(tree),
+        capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert Path(done.stdout.strip()).is_relative_to(tree.resolve())
 
 
 def test_an_unknown_revision_is_an_error(tmp_path: Path) -> None:
