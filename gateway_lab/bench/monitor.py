@@ -108,6 +108,9 @@ class Monitor:
             "queued": {name: p.get("queued") for name, p in pools.items()},
             "delta_factor": {name: p.get("delta_factor") for name, p in pools.items()},
             "prefilling": {name: p.get("prefilling_tokens") for name, p in pools.items()},
+            "alone_ttft_samples": {
+                name: (p.get("alone") or {}).get("ttft_samples") for name, p in pools.items()
+            },
         }
 
 

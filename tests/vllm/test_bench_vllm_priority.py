@@ -1,6 +1,7 @@
-"""Smoke run of the vllm-priority benchmark (--quick, three arms): the real Envoy, the service
+"""Smoke run of the vllm-priority benchmark (--quick, four arms): the real Envoy, the service
 and a real vLLM (CPU) engine started with each scheduling policy in turn; it must leave
-well-formed outputs (figures are not checked: numbers are noisy on shared cores)."""
+well-formed outputs (figures are not checked: numbers are noisy on shared cores), and the
+arm with an objective relative to alone must have learned alone from the real engine."""
 
 from __future__ import annotations
 
@@ -26,12 +27,17 @@ def test_vllm_priority_quick(tmp_path: Path, capsys: pytest.CaptureFixture[str])
     vllm_priority.add_arguments(parser)
     out = tmp_path / "out"
     args = parser.parse_args(
-        ["--quick", "--arms", "solo,priority-static,fcfs-static", "--out", str(out),
-         "--workdir", str(tmp_path / "w"), "--vllm-python", sys.executable]
+        ["--quick", "--arms", "solo,priority-static,fcfs-static,priority-first-2x",
+         "--out", str(out), "--workdir", str(tmp_path / "w"), "--vllm-python", sys.executable]
     )  # fmt: skip
     assert vllm_priority.main(args) == 0
     data = json.loads((out / "results.json").read_text())
-    assert set(data["arms"]) == {"solo", "priority-static", "fcfs-static"}
+    assert set(data["arms"]) == {"solo", "priority-static", "fcfs-static", "priority-first-2x"}
+    relative = data["arms"]["priority-first-2x"]
+    assert relative["latency_delta"] == "{first_token: 2x}"
+    pool = vllm_priority.POOL
+    learned = [(s.get("alone_ttft_samples") or {}).get(pool) or 0 for s in relative["timeseries"]]
+    assert max(learned) >= 3  # the priming requests taught the alone TTFT: the objective steers
     assert [data["arms"][a]["engine_policy"] for a in ("priority-static", "fcfs-static")] == [
         "priority",
         "fcfs",
