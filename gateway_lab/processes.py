@@ -12,9 +12,10 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Protocol
 
 # Stop order (lowest first): the service drains while engines and Envoy still carry responses.
 STOP_FIRST, STOP_MIDDLE, STOP_LAST = 0, 1, 2
@@ -103,10 +104,22 @@ class RestartLimits:
     max_backoff_s: float = 8.0
 
 
+class Watch(Protocol):
+    """Whether a running child still answers (extproc.service.liveness.LivenessWatch)."""
+
+    url: str
+
+    def overdue(self, now: float) -> float | None: ...
+
+    def restarted(self, now: float) -> None: ...
+
+
 class Supervisor:
     """Keeps a stack running: a child that exits is started again after a backoff, unless it
     is one whose death ends the stack (`fatal`, e.g. Envoy: its clients' connections go with
-    it) or it crashed more than the limits allow. `check()` is called in the caller's loop."""
+    it) or it crashed more than the limits allow. A child with a watch (`watches`, by name)
+    that has stopped answering is killed, and then restarted like a crashed one: a hung
+    process does not exit by itself. `check()` is called in the caller's loop."""
 
     def __init__(
         self,
@@ -115,12 +128,14 @@ class Supervisor:
         limits: RestartLimits = RestartLimits(),
         say: Callable[[str], None] = print,
         clock: Callable[[], float] = time.monotonic,
+        watches: Mapping[str, Watch] | None = None,
     ) -> None:
         self.stack = stack
         self.fatal = fatal
         self.limits = limits
         self.say = say
         self.clock = clock
+        self.watches: Mapping[str, Watch] = watches or {}
         self.restarts: dict[str, list[float]] = {}
         """Each child's restart times within the window."""
         self._due: dict[str, float] = {}
@@ -132,6 +147,7 @@ class Supervisor:
         now = self.clock()
         for child in self.stack.children:
             if child.alive():
+                self._kill_if_hung(child, now)
                 continue
             due = self._due.get(child.name)
             if due is None:
@@ -156,7 +172,19 @@ class Supervisor:
                 del self._due[child.name]
                 self.restarts[child.name].append(now)
                 child.start(append=True)
+                watch = self.watches.get(child.name)
+                if watch is not None:
+                    watch.restarted(now)
         return None
+
+    def _kill_if_hung(self, child: Child, now: float) -> None:
+        watch = self.watches.get(child.name)
+        silent = None if watch is None else watch.overdue(now)
+        if watch is None or silent is None:
+            return
+        self.say(f"{child.name} has not answered {watch.url} for {silent:.1f}s: killing it")
+        watch.restarted(now)  # not overdue again while it dies
+        child.kill(wait=False)
 
 
 def http_ok(url: str, timeout: float = 1.0) -> bool:

@@ -22,7 +22,7 @@ from pathlib import Path
 
 from extproc.envoy_config import RenderOptions, split_host_port
 from extproc.policy import Policy, PolicyError, load_policy
-from extproc.service.liveness import LIVENESS_TIMEOUT_S
+from extproc.service.liveness import LIVENESS_TIMEOUT_S, LivenessWatch, healthz_url
 from gateway_lab.children import engine_child, envoy_child, extproc_child
 from gateway_lab.processes import STOP_FIRST, STOP_LAST, Stack, Supervisor, http_ok, wait_until
 
@@ -291,6 +291,16 @@ def counting_said(config: StackConfig) -> str:
     return "responses are accounted in the service's process"
 
 
+def service_watches(config: StackConfig) -> dict[str, LivenessWatch]:
+    """A watch on the service's `/healthz` when it runs as one process: hung, it is killed and
+    restarted. With `--workers N` the service's own supervisor watches each worker (and the
+    admin address is worker 0's: a watch here would restart every worker for one)."""
+    url = healthz_url(config.admin)
+    if config.workers != 1 or config.worker_liveness_timeout <= 0 or url is None:
+        return {}
+    return {"extproc": LivenessWatch(url, config.worker_liveness_timeout)}
+
+
 def _say(message: str) -> None:
     print(message, flush=True)
 
@@ -355,6 +365,7 @@ def run_up(args: argparse.Namespace) -> int:
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
+    watches: dict[str, LivenessWatch] = {}
     try:
         for child in stack.children:
             print(f"starting {child.name} (log: {child.log_path})", flush=True)
@@ -368,8 +379,15 @@ def run_up(args: argparse.Namespace) -> int:
 
             admins = [f"http://{admin}" for admin in worker_admins(config)]
             return run_demo(f"http://{args.listen}", admins)
-        supervisor = Supervisor(stack, fatal=frozenset({"envoy"}), say=_say)
+        watches.update(service_watches(config))
+        supervisor = Supervisor(stack, fatal=frozenset({"envoy"}), say=_say, watches=watches)
+        unheard = dict(watches)
         while not stopping:
+            for name, watch in list(unheard.items()):
+                if watch.answered_at is not None:
+                    del unheard[name]
+                    _say(f"watching {watch.url}: {name} is restarted if silent for "
+                         f"{watch.timeout_s:g}s")  # fmt: skip
             dead = supervisor.check()
             if dead is not None:
                 print(
@@ -384,6 +402,8 @@ def run_up(args: argparse.Namespace) -> int:
         print(f"extproc up: {error}", file=sys.stderr)
         return 1
     finally:
+        for watch in watches.values():
+            watch.stop()
         names = ", ".join(child.name for child in stack.stop_order())
         print(f"stopping ({names}); Ctrl-C again to kill now", flush=True)
         stack.stop()

@@ -42,6 +42,22 @@ def wait_for(
         time.sleep(every)
 
 
+def worker_pids(supervisor_pid: int, flag: str = "--grpc") -> dict[int, int]:
+    """The pids of a supervisor's children (the workers of `serve --workers N`, the service
+    of `extproc up`), by the port each was given with `flag` (their command lines tell them
+    apart)."""
+    pids: dict[int, int] = {}
+    children = Path(f"/proc/{supervisor_pid}/task/{supervisor_pid}/children").read_text()
+    for pid in map(int, children.split()):
+        try:
+            argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        except FileNotFoundError:  # exited between the two reads
+            continue
+        if flag.encode() in argv:
+            pids[int(argv[argv.index(flag.encode()) + 1].rpartition(b":")[2])] = pid
+    return pids
+
+
 class AccountingPeer(EnvoyPeer):
     """The accounting filter's stream: observability mode, its role in the initial metadata
     (as extproc/envoy_config.py renders it). Envoy never waits for replies: use `outbox`."""

@@ -86,8 +86,8 @@ def add_arguments(parser: argparse.ArgumentParser, default_ports: str = "shared"
     parser.add_argument(
         "--worker-liveness-timeout", type=float, metavar="SECONDS",
         default=_env_number("EXTPROC_WORKER_LIVENESS_TIMEOUT", LIVENESS_TIMEOUT_S, float),
-        help="kill and restart a worker whose /healthz has not answered this long "
-        "(default %(default)s; 0: never)",
+        help="kill and restart a worker (under `extproc up`, also a single service process) "
+        "whose /healthz has not answered this long (default %(default)s; 0: never)",
     )  # fmt: skip
 
 

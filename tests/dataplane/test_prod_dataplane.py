@@ -1,10 +1,11 @@
 """With the real Envoy: the dashboard's Envoy metric names exist, a streamed response in flight
 survives the stack's stop (service drains first, Envoy last), and `extproc up` stops cleanly on
-Ctrl-C and at once on a second Ctrl-C."""
+Ctrl-C and at once on a second Ctrl-C, and restarts a service that hangs."""
 
 from __future__ import annotations
 
 import contextlib
+import os
 import re
 import signal
 import subprocess
@@ -12,6 +13,7 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import orjson
@@ -20,7 +22,7 @@ import urllib3
 
 from tests.conftest import TEST_KEYS, free_port, policy_yaml
 from tests.dataplane.harness import RunningGateway, running_gateway
-from tests.serve_support import REPO, http, wait_for
+from tests.serve_support import REPO, http, wait_for, worker_pids
 from tests.unit.test_prod_dashboard import ENVOY_METRICS
 
 pytestmark = pytest.mark.dataplane
@@ -81,7 +83,23 @@ def test_stack_stop_lets_an_inflight_stream_finish(gateway: RunningGateway) -> N
     assert all(not child.alive() for child in gateway.stack.children)
 
 
-def test_extproc_up_stops_on_ctrl_c_and_kills_on_the_second(tmp_path: Path) -> None:
+@dataclass
+class Up:
+    """`extproc up` as a subprocess, its output in `out`."""
+
+    process: subprocess.Popen[bytes]
+    out: Path
+    listen: str
+    admin: str
+
+    def said(self) -> str:
+        return self.out.read_text()
+
+
+@contextlib.contextmanager
+def running_up(tmp_path: Path, *extra: str) -> Iterator[Up]:
+    """`extproc up` on the fast emulated engines, ready; stopped with two Ctrl-C on exit (its
+    children run in their own sessions, so killing `up` alone would leave them running)."""
     short, long_ = f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"
     policy = tmp_path / "policy.yaml"
     policy.write_text(policy_yaml(short, long_))
@@ -90,44 +108,85 @@ def test_extproc_up_stops_on_ctrl_c_and_kills_on_the_second(tmp_path: Path) -> N
         sys.executable, "-m", "extproc", "up", "--policy", str(policy), "--listen", listen,
         "--grpc", f"127.0.0.1:{free_port()}", "--admin", admin,
         "--envoy-admin", f"127.0.0.1:{free_port()}", "--profile", "fast",
-        "--workdir", str(tmp_path / "up"), "--drain-grace", "60",
+        "--workdir", str(tmp_path / "up"), *extra,
     ]  # fmt: skip
     out = tmp_path / "up.out"
     with out.open("wb") as sink:
-        up = subprocess.Popen(command, stdout=sink, stderr=subprocess.STDOUT, cwd=REPO)
+        process = subprocess.Popen(command, stdout=sink, stderr=subprocess.STDOUT, cwd=REPO)
+    up = Up(process, out, listen, admin)
     try:
-        wait_for(lambda: "ready:" in out.read_text(), "extproc up to be ready", 60, every=0.1)
+        wait_for(lambda: "ready:" in up.said(), "extproc up to be ready", 60, every=0.1)
+        yield up
+    finally:
+        if process.poll() is None:
+            process.send_signal(signal.SIGINT)
+            with contextlib.suppress(AssertionError):  # two signals at once may merge into one
+                wait_for(lambda: "Ctrl-C again" in up.said(), "the stop to begin", 5)
+            process.send_signal(signal.SIGINT)
+            try:
+                process.wait(20)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait(10)
+
+
+def test_extproc_up_stops_on_ctrl_c_and_kills_on_the_second(tmp_path: Path) -> None:
+    with running_up(tmp_path, "--drain-grace", "60") as up:
         # A long stream keeps the service draining after the first Ctrl-C ...
         response = stream_request(
-            f"http://{listen}", max_tokens=8000
+            f"http://{up.listen}", max_tokens=8000
         )  # fast profile: max_model_len 8192
         assert response.status == 200
         assert response.read1(64)
-        up.send_signal(signal.SIGINT)
-        wait_for(lambda: "Ctrl-C again" in out.read_text(), "the stop to begin", 15)
-        wait_for(lambda: http("GET", f"http://{admin}/readyz")[0] == 503, "readyz to turn 503", 15)
+        up.process.send_signal(signal.SIGINT)
+        wait_for(lambda: "Ctrl-C again" in up.said(), "the stop to begin", 15)
+        wait_for(
+            lambda: http("GET", f"http://{up.admin}/readyz")[0] == 503, "readyz to turn 503", 15
+        )
         # ... until the second one kills everything.
         began = time.monotonic()
-        up.send_signal(signal.SIGINT)
-        assert up.wait(20) == 0
+        up.process.send_signal(signal.SIGINT)
+        assert up.process.wait(20) == 0
         assert time.monotonic() - began < 10
-        assert "killing every child now" in out.read_text()
+        assert "killing every child now" in up.said()
         response.release_conn()
-    finally:
-        if up.poll() is None:
-            # Two Ctrl-C: `up` kills its children (they run in their own sessions, so killing
-            # `up` alone would leave them running), then exits.
-            up.send_signal(signal.SIGINT)
-            with contextlib.suppress(AssertionError):  # two signals at once may merge into one
-                wait_for(lambda: "Ctrl-C again" in out.read_text(), "the stop to begin", 5)
-            up.send_signal(signal.SIGINT)
-            try:
-                up.wait(20)
-            except subprocess.TimeoutExpired:
-                up.kill()
-                up.wait(10)
     # Every child is gone: nothing answers on the service's admin port any more.
-    assert http_refused(f"http://{admin}/healthz")
+    assert http_refused(f"http://{up.admin}/healthz")
+
+
+def test_extproc_up_restarts_a_hung_service(tmp_path: Path) -> None:
+    """A stopped service (SIGSTOP: alive, holding its ports, answering nothing) is killed once
+    its /healthz has been silent for --worker-liveness-timeout, then restarted, and the stack
+    serves again; the engines and Envoy are left alone."""
+    with running_up(tmp_path, "--worker-liveness-timeout", "2") as up:
+        wait_for(lambda: "watching http://" in up.said(), "the watch to hear the service", 30)
+        admin_port = int(up.admin.rpartition(":")[2])
+        hung = worker_pids(up.process.pid, "--admin")[admin_port]
+        others = children_of(up.process.pid) - {hung}  # the engines and Envoy
+        os.kill(hung, signal.SIGSTOP)
+        wait_for(lambda: "has not answered" in up.said(), "the hung service to be killed", 20)
+
+        def replaced() -> bool:
+            pid = worker_pids(up.process.pid, "--admin").get(admin_port)
+            return pid not in (None, hung) and ready(f"http://{up.admin}/readyz")
+
+        wait_for(replaced, "a new service to be ready", 60, every=0.1)
+        response = stream_request(f"http://{up.listen}", max_tokens=16)
+        assert response.status == 200
+        assert response.read().decode().rstrip().endswith("data: [DONE]")
+        assert "extproc exited (status -9)" in up.said()
+        assert others <= children_of(up.process.pid)  # none of them restarted
+
+
+def children_of(pid: int) -> set[int]:
+    return set(map(int, Path(f"/proc/{pid}/task/{pid}/children").read_text().split()))
+
+
+def ready(url: str) -> bool:
+    try:
+        return http("GET", url, timeout=2)[0] == 200
+    except OSError:
+        return False
 
 
 def http_refused(url: str) -> bool:

@@ -176,6 +176,49 @@ def test_restarts_stop_at_the_limit_and_envoy_ends_the_stack(tmp_path: Path) -> 
         stack.kill()
 
 
+class FakeWatch:
+    """A liveness watch whose verdict the test sets."""
+
+    url = "http://127.0.0.1:1/healthz"
+
+    def __init__(self) -> None:
+        self.silent: float | None = None
+        self.restarts: list[float] = []
+
+    def overdue(self, now: float) -> float | None:
+        return self.silent
+
+    def restarted(self, now: float) -> None:
+        self.silent = None
+        self.restarts.append(now)
+
+
+def test_a_hung_child_with_a_watch_is_killed_and_restarted(tmp_path: Path) -> None:
+    stack = Stack([child(tmp_path, "engine-short", 1), child(tmp_path, "extproc", STOP_FIRST)])
+    clock, said, watch = FakeClock(), [], FakeWatch()
+    supervisor = Supervisor(stack, say=said.append, clock=clock, watches={"extproc": watch})
+    try:
+        started(stack, tmp_path)
+        engine, service = stack.children
+        assert service.process is not None and engine.process is not None
+        hung, engine_process = service.process, engine.process
+        hung.send_signal(signal.SIGSTOP)  # alive, and answering nothing
+        (tmp_path / "stops.txt.extproc.up").unlink()
+        assert supervisor.check() is None and hung.poll() is None  # not overdue yet
+        watch.silent = 12.5
+        assert supervisor.check() is None
+        assert said[-1] == f"extproc has not answered {watch.url} for 12.5s: killing it"
+        assert hung.wait(10) == -signal.SIGKILL and watch.restarts == [clock.now]
+        assert supervisor.check() is None and "restarting in 0.5s" in said[-1]
+        clock.now += 0.5
+        assert supervisor.check() is None and service.alive() and service.process is not hung
+        assert watch.restarts == [clock.now - 0.5, clock.now]  # a start-up grace again
+        wait_for((tmp_path / "stops.txt.extproc.up").exists, "extproc up again")
+        assert engine.alive() and engine.process is engine_process  # left alone
+    finally:
+        stack.kill()
+
+
 @pytest.mark.dataplane  # the stack's envoy child is the real binary
 def test_build_stack_orders_the_real_children(tmp_path: Path) -> None:
     path = tmp_path / "policy.yaml"

@@ -126,21 +126,6 @@ def http_get(url: str, timeout: float = 1.0) -> tuple[int, bytes]:
         return 0, b""
 
 
-def worker_pids(supervisor_pid: int, flag: str = "--grpc") -> dict[int, int]:
-    """The pids of a supervisor's workers (`serve --workers N`), by the port each was given
-    with `flag` (their command lines tell them apart)."""
-    pids: dict[int, int] = {}
-    children = Path(f"/proc/{supervisor_pid}/task/{supervisor_pid}/children").read_text()
-    for pid in map(int, children.split()):
-        try:
-            argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-        except FileNotFoundError:  # exited between the two reads
-            continue
-        if flag.encode() in argv:
-            pids[int(argv[argv.index(flag.encode()) + 1].rpartition(b":")[2])] = pid
-    return pids
-
-
 def terminate(process: subprocess.Popen[bytes] | None, timeout: float) -> None:
     """SIGTERM, then SIGKILL if it has not exited within `timeout` seconds."""
     if process is None or process.poll() is not None:

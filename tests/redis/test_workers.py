@@ -34,8 +34,8 @@ from tests.redis.support import (
     finish,
     http_get,
     wait_for,
-    worker_pids,
 )
+from tests.serve_support import worker_pids
 
 
 def worker_pid(request_id: str) -> int:

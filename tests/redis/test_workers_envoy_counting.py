@@ -29,7 +29,8 @@ from tests.conftest import TEST_KEYS, free_port, policy_yaml
 from tests.dataplane.harness import RunningGateway, started
 from tests.dataplane.test_accounting import envoy_stat, scrape, usage_of_stream
 from tests.dataplane.test_admission import settled
-from tests.redis.support import RedisServer, http_get, wait_for, worker_pids
+from tests.redis.support import RedisServer, http_get, wait_for
+from tests.serve_support import worker_pids
 
 pytestmark = [pytest.mark.redis, pytest.mark.dataplane]
 
