@@ -182,11 +182,7 @@ def policy_text(point: Point) -> str:
         if not point.adaptive
         else f"max_inflight: {ADAPTIVE_CEILING},"
     )
-    objective = (
-        f"tier_options: {{standard: {{latency_delta: {point.latency_delta}}}}}\n"
-        if point.latency_delta
-        else ""
-    )
+    objective = scenario.standard_objective(point.latency_delta)
     return f"""\
 version: 1
 tiers: [standard]

@@ -78,9 +78,7 @@ def policy_text(endpoint: str, arm: Arm) -> str:
         pinned += ", engine_priority: false"
     if arm.prefill_budget is not None:
         pinned += f", prefill_budget_tokens: {arm.prefill_budget}"
-    objective = ""
-    if arm.latency_delta is not None:
-        objective = f"tier_options: {{standard: {{latency_delta: {arm.latency_delta}}}}}\n"
+    objective = scenario.standard_objective(arm.latency_delta)
     return f"""\
 version: 1
 tiers: [premium, standard]

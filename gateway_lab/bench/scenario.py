@@ -137,11 +137,26 @@ def arm_gateway(
         yield gateway
 
 
-def standard_tenants(weights: Mapping[str, float], keys: Mapping[str, str]) -> list[str]:
-    """A policy's first lines: one tier, `standard`, and each tenant of `weights` in it with
-    its weight, its key of `keys` (hashed) and queue limits that never refuse in a run."""
+def standard_objective(latency_delta: str | None) -> str:
+    """The policy line giving tier `standard` the δ objective `latency_delta` (YAML flow text:
+    `30ms`, `{first_token: 2x}`), newline included; "" without one."""
+    return "".join(f"{line}\n" for line in _objective_lines(latency_delta))
+
+
+def _objective_lines(latency_delta: str | None) -> list[str]:
+    if not latency_delta:
+        return []
+    return [f"tier_options: {{standard: {{latency_delta: {latency_delta}}}}}"]
+
+
+def standard_tenants(
+    weights: Mapping[str, float], keys: Mapping[str, str], latency_delta: str | None = None
+) -> list[str]:
+    """A policy's first lines: one tier, `standard` (with the δ objective `latency_delta`, if
+    given), and each tenant of `weights` in it with its weight, its key of `keys` (hashed)
+    and queue limits that never refuse in a run."""
     limits = "{max_queued: 100000, max_queue_wait: 600s}"
-    lines = ["version: 1", "tiers: [standard]", "tenants:"]
+    lines = ["version: 1", "tiers: [standard]", *_objective_lines(latency_delta), "tenants:"]
     for name, weight in weights.items():
         lines.append(
             f'  {name}: {{tier: standard, weight: {weight}, api_keys: ["{hash_key(keys[name])}"],'

@@ -163,9 +163,7 @@ def policy_text(
 ) -> str:
     """Our full policy: the defaults (DRR, headroom, adaptive soft limit, overload shedding),
     and a δ objective, a static soft limit or a prefill budget, if given."""
-    objective = (
-        f"tier_options: {{standard: {{latency_delta: {latency_delta}}}}}\n" if latency_delta else ""
-    )
+    objective = scenario.standard_objective(latency_delta)
     capacity = (
         "max_inflight: 512"
         if door_limit is None

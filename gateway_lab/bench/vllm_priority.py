@@ -108,9 +108,7 @@ def delta_arms(deltas: Sequence[str]) -> tuple[Arm, ...]:
 def policy_text(
     endpoint: str, work: Workload, static: bool, latency_delta: str | None = None
 ) -> str:
-    lines = scenario.standard_tenants({QUIET: 1, FLOOD: 1}, KEYS)
-    if latency_delta is not None:
-        lines.insert(2, f"tier_options: {{standard: {{latency_delta: {latency_delta}}}}}")
+    lines = scenario.standard_tenants({QUIET: 1, FLOOD: 1}, KEYS, latency_delta)
     pool = [
         "max_total_tokens: 2048",
         f"max_inflight: {work.static_inflight if static else 256}",
