@@ -319,7 +319,7 @@ def kvwarden_points(
     out += [Point(f"paced-{b}", "default policy, paced", None, b, adaptive=True) for b in budgets]
     out += [
         Point(f"first-{d}", f"first-token objective (limit {top})", top,
-              latency_delta=f"{{first_token: {d}}}")
+              latency_delta=scenario.first_token_objective(d))
         for d in first_token
     ]  # fmt: skip
     return out
@@ -331,7 +331,7 @@ def over_points(first_token: Sequence[str]) -> list[Point]:
     out = [Point("fifo", "fifo", None), Point("default", "default policy", None, adaptive=True)]
     out += [
         Point(f"first-{d}", "first-token objective", None, adaptive=True,
-              latency_delta=f"{{first_token: {d}}}")
+              latency_delta=scenario.first_token_objective(d))
         for d in first_token
     ]  # fmt: skip
     return out

@@ -110,7 +110,7 @@ def first_token_arm(
 ) -> Arm:
     return Arm(
         f"first-{objective}", "service", True, warmup_s, "delta", 512, capacity,
-        prefill_budget=prefill_budget, latency_delta=f"{{first_token: {objective}}}",
+        prefill_budget=prefill_budget, latency_delta=scenario.first_token_objective(objective),
     )  # fmt: skip
 
 

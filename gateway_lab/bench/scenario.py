@@ -137,6 +137,18 @@ def arm_gateway(
         yield gateway
 
 
+def first_token_objective(spec: str) -> str:
+    """A first-token δ objective (YAML flow text) from a bench's `--first-token-deltas` item:
+    `30ms` or `2x` bound a typical first token; `2x-p99` the 99th percentile of them
+    (`quantile: 0.99`; `-p999` is 0.999)."""
+    objective, _, percentile = spec.partition("-p")
+    if not percentile:
+        return f"{{first_token: {objective}}}"
+    if not percentile.isdigit():
+        raise ValueError(f"{spec!r}: a percentile suffix is -p followed by digits (2x-p99)")
+    return f"{{first_token: {objective}, quantile: 0.{percentile}}}"
+
+
 def standard_objective(latency_delta: str | None) -> str:
     """The policy line giving tier `standard` the δ objective `latency_delta` (YAML flow text:
     `30ms`, `{first_token: 2x}`), newline included; "" without one."""

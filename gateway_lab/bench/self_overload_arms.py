@@ -92,7 +92,7 @@ def delta_arms(
     target on kvwarden's workload); `room-tail-D`: every token's lag at most D for a share
     `tail_quantile` of them; `over-...`, the same above the engine's capacity."""
     objectives = [
-        *((f"first-{d}", f"{{first_token: {d}}}") for d in deltas),
+        *((f"first-{d}", scenario.first_token_objective(d)) for d in deltas),
         *((f"tail-{d}", tail_objective(d, tail_quantile)) for d in tail_deltas),
     ]
     return tuple(

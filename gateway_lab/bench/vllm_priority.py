@@ -101,7 +101,8 @@ DEFAULT_FIRST_TOKEN_DELTAS = ("2x", "30ms")
 def delta_arms(deltas: Sequence[str]) -> tuple[Arm, ...]:
     """`priority-first-D`: priority-adaptive with the first-token objective D."""
     return tuple(
-        Arm(f"priority-first-{d}", "priority", True, False, f"{{first_token: {d}}}") for d in deltas
+        Arm(f"priority-first-{d}", "priority", True, False, scenario.first_token_objective(d))
+        for d in deltas
     )
 
 

@@ -18,7 +18,7 @@ from ruamel.yaml import YAML
 
 from extproc.envoy_config import RenderOptions, render_bootstrap
 from extproc.policy import policy_from_text
-from extproc.policy.model import LatencyDelta
+from extproc.policy.model import AloneMultiple, LatencyDelta
 from gateway_lab.bench import phases
 from gateway_lab.bench.cores import descendants, engines_apart, group_cpu, pin, split_cores
 from gateway_lab.bench.kvwarden_front import Bucket, config_text
@@ -216,6 +216,22 @@ def test_delta_arms_write_their_objective() -> None:
     delta = policy.source.tier_options["standard"].latency_delta
     assert delta == LatencyDelta(every_token=0.015, quantile=0.95)
     assert policy_from_text(policy_text("127.0.0.1:1")).source.tier_options == {}
+
+
+def test_a_percentile_suffix_makes_a_first_token_quantile_objective() -> None:
+    (room, over) = delta_arms(["2x-p99"])
+    assert (room.name, over.name) == ("room-first-2x-p99", "over-first-2x-p99")
+    policy = policy_from_text(policy_text("127.0.0.1:1", over.latency_delta))
+    delta = policy.source.tier_options["standard"].latency_delta
+    assert delta == LatencyDelta(first_token=AloneMultiple(2.0), quantile=0.99)
+    policy = policy_from_text(
+        policy_text("127.0.0.1:1", delta_arms(["30ms-p999"])[0].latency_delta)
+    )
+    assert policy.source.tier_options["standard"].latency_delta == LatencyDelta(
+        first_token=0.03, quantile=0.999
+    )
+    with pytest.raises(ValueError, match="-p followed by digits"):
+        delta_arms(["2x-pxx"])
 
 
 def test_before_arms_copy_each_objective_arm_onto_the_other_tree(tmp_path: Path) -> None:
