@@ -73,6 +73,10 @@ BENCH_SCENARIOS = {
         "envoy_counting",
         "CPU per streamed chunk: tokens counted in Envoy (Lua) vs relayed to ext_proc",
     ),
+    "provenance": (
+        "provenance",
+        "what differs between two runs' results.json: revision, host, Envoy, package versions",
+    ),
 }
 
 

@@ -38,6 +38,7 @@ from extproc.estimation import CATEGORIES, TokenEstimator
 from extproc.openai_request import CHAT_PATH, PromptParts, parse_inference_request
 from extproc.policy.model import Estimation
 from gateway_lab.bench.figures import pyplot, save_figure
+from gateway_lab.bench.provenance import with_provenance
 from gateway_lab.progress import Progress
 
 MODES = ("flat", "prior", "calibrated", "conservative", "tiktoken")
@@ -333,7 +334,7 @@ def run(
     }
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "results.json").write_text(json.dumps(result, indent=1))
+    (out_dir / "results.json").write_text(json.dumps(with_provenance(result), indent=1))
     if plot:
         _plot(result, out_dir / "estimator.png")
     if not quiet:

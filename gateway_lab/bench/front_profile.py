@@ -29,6 +29,7 @@ from typing import Any
 
 from gateway_lab.bench.cores import descendants
 from gateway_lab.bench.overhead import COMPILED_ARM, bench_policy, measure
+from gateway_lab.bench.provenance import with_provenance
 from gateway_lab.bench.revisions import check_compiled, tree_env, tree_of_rev
 from gateway_lab.bench.stack import bench_stack
 
@@ -196,7 +197,7 @@ def main(argv: list[str] | None = None) -> int:
     ]
     results = [merge([r for r in runs if r["arm"] == arm]) for arm in arms]
     print_table(results)
-    (args.out / "results.json").write_text(json.dumps(results, indent=2))
+    (args.out / "results.json").write_text(json.dumps(with_provenance(results), indent=2))
     print(f"\nresults: {args.out / 'results.json'}")
     return 0
 

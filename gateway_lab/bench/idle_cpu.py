@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from gateway_lab.bench.cores import tree_cpu_seconds
+from gateway_lab.bench.provenance import with_provenance
 from gateway_lab.bench.revisions import tree_of_rev
 from gateway_lab.bench.stack import free_port
 from gateway_lab.processes import http_ok
@@ -160,6 +161,6 @@ def main(args: argparse.Namespace) -> int:
         "raw": raw,
         "note": "/proc CPU time has a 10 ms tick: +-0.7 ms/s over 30 s",
     }
-    (out / "results.json").write_text(json.dumps(results, indent=1))
+    (out / "results.json").write_text(json.dumps(with_provenance(results), indent=1))
     print(f"results: {out / 'results.json'}")
     return 0

@@ -24,6 +24,7 @@ from gateway_lab.bench.cores import tree_cpu_seconds
 from gateway_lab.bench.figures import pyplot, save_figure
 from gateway_lab.bench.loadgen import Load, closed_loop, summarize
 from gateway_lab.bench.noisy_isolation import listed
+from gateway_lab.bench.provenance import with_provenance
 from gateway_lab.bench.records import Meter, Record, Spec, percentile
 from gateway_lab.bench.revisions import check_compiled, tree_env, tree_of_rev
 from gateway_lab.bench.stack import Gateway, bench_stack
@@ -308,7 +309,7 @@ def run(
         "in_process_compiled_us": in_process_compiled,
         "raw_runs": raw + raw_saturated,
     }
-    (out / "results.json").write_text(json.dumps(results, indent=2))
+    (out / "results.json").write_text(json.dumps(with_provenance(results), indent=2))
     plot(runs, out / "overhead.png")
     print_table(runs, report)
     print(

@@ -35,6 +35,7 @@ from gateway_lab.bench.monitor import (
     progress,
     wait_engines_idle,
 )
+from gateway_lab.bench.provenance import with_provenance
 from gateway_lab.bench.records import Spec, distinct_prompt, prompt_text
 from gateway_lab.bench.stack import EngineSet, Gateway, engine_set, gateway_stack
 from gateway_lab.progress import Progress
@@ -338,9 +339,10 @@ def save_results(
     draw: Callable[[Path], None],
     table: Callable[[], None],
 ) -> None:
-    """Write `results.json` and the plot under `out`, print the table and where they are."""
+    """Write `results.json` (with what it ran on: gateway_lab.bench.provenance) and the plot
+    under `out`, print the table and where they are."""
     out.mkdir(parents=True, exist_ok=True)
-    write_json(out / "results.json", report)
+    write_json(out / "results.json", with_provenance(report))
     draw(out / figure)
     table()
     print(f"\nresults: {out / 'results.json'}, plot: {out / figure}")

@@ -24,6 +24,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from gateway_lab.bench.provenance import with_provenance
 from gateway_lab.bench.revisions import tree_of_rev
 
 SCENARIO = "scheduler-scaling"
@@ -287,7 +288,7 @@ def main(args: argparse.Namespace) -> int:
         "raw": raw,
         "summary": summary,
     }
-    (out / "results.json").write_text(json.dumps(results, indent=1, default=str))
+    (out / "results.json").write_text(json.dumps(with_provenance(results), indent=1, default=str))
     _plot(summary, out / f"{SCENARIO}.png")
     print(f"results: {out / 'results.json'}, plot: {out / (SCENARIO + '.png')}")
     return 0
