@@ -7,4 +7,5 @@ if [ ! -x .venv/bin/python ]; then
   "$PYTHON" -m venv .venv
 fi
 .venv/bin/python -m pip install --quiet --upgrade pip
-.venv/bin/python -m pip install --quiet -e ".[test,bench]"
+# constraints.txt pins every package (scripts/lock.sh): the same versions on every machine.
+.venv/bin/python -m pip install --quiet -c constraints.txt -e ".[test,bench]"
