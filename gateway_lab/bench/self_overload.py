@@ -457,7 +457,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--first-token-deltas", default=",".join(DEFAULT_FIRST_TOKEN_DELTAS),
-        help="first-token objectives of the room-first-D arms (default %(default)s)",
+        help="first-token objectives of the room-first-D arms: 30ms, 2x (a multiple of "
+        "alone), 2x-p99 (quantile 0.99) (default %(default)s)",
     )  # fmt: skip
     parser.add_argument(
         "--tail-deltas", default=",".join(DEFAULT_TAIL_DELTAS),

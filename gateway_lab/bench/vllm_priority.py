@@ -296,7 +296,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--arms", help="comma-separated arms (default all; ratios need solo)")
     parser.add_argument(
         "--first-token-deltas", default=",".join(DEFAULT_FIRST_TOKEN_DELTAS),
-        help="the priority-first-D arms' objectives ('' none; default %(default)s)",
+        help="the priority-first-D arms' objectives: 30ms, 2x, 2x-p99 (quantile 0.99) "
+        "('' none; default %(default)s)",
     )  # fmt: skip
 
 
