@@ -28,6 +28,7 @@ import socket
 import sys
 from collections.abc import Callable, Sequence
 
+from extproc.heap import freeze_startup_heap
 from extproc.service.accounting_link import (
     READY,
     ApplierProtocol,
@@ -202,6 +203,7 @@ async def _serve_child(address: str, fd: int) -> None:
     port = ForwardingPort(write)
     server, grpc_port = await start_accounting_server(port, address)
     transport.write(encode_frame([[READY, grpc_port]]))
+    freeze_startup_heap()
     ticker = LagReporter(port)
     ticker.start()
     await closed.wait()

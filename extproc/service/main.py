@@ -20,7 +20,6 @@ import argparse
 import asyncio
 import contextlib
 import functools
-import gc
 import logging
 import os
 import signal
@@ -32,6 +31,7 @@ from pathlib import Path
 import grpc
 
 from extproc.admin import AdminServer
+from extproc.heap import freeze_startup_heap
 from extproc.metrics import Metrics
 from extproc.policy import Policy, PolicyError, compile_policy, parse_policy
 from extproc.reload import PolicyReloader
@@ -491,18 +491,6 @@ class Service:
             await self.close()
             self.remove_signal_handlers()
             log.info("stopped")
-
-
-def freeze_startup_heap() -> int:
-    """Move every object alive now (modules, policy, gRPC, metrics: ~110,000 objects) out of
-    the garbage collector's sight; returns how many. A full collection otherwise walks them
-    all, 85-100 ms on the benchmark machine, with the event loop stopped and Envoy's messages
-    waiting; after the freeze it walks only what the requests made since (docs/benchmarks.md,
-    "Where the time goes at low load"). Unreachable cycles among frozen objects (the start-up
-    policy's, after a reload) are never collected: one policy's worth, once."""
-    gc.collect()
-    gc.freeze()
-    return gc.get_freeze_count()
 
 
 async def serve(options: ServeOptions) -> int:

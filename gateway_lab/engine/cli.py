@@ -18,6 +18,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
+from extproc.heap import freeze_startup_heap
 from gateway_lab.engine.profiles import PROFILES, EngineProfile, get_profile
 from gateway_lab.engine.server import (
     DEFAULT_MAX_TOKENS,
@@ -115,12 +116,15 @@ def build_server(args: argparse.Namespace) -> EngineServer:
     )
 
 
-async def _serve(server: EngineServer) -> None:
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
+async def _serve(server: EngineServer, stop: asyncio.Event | None = None) -> None:
+    """Serve until SIGINT or SIGTERM, or until `stop` is set when one is given."""
+    if stop is None:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
     await server.start()
+    freeze_startup_heap()  # as vLLM's engine core does once it is up
     try:
         print(f"engine {server.engine_id} listening on {server.base_url}", flush=True)
         await stop.wait()

@@ -1,18 +1,24 @@
-"""`extproc serve` freezes its start-up heap once serving (extproc.service.main): a full
-garbage collection then no longer walks the ~110,000 objects of modules, policy and gRPC with
-the event loop stopped. A Service started inside another program (these tests) leaves that
-program's collector alone unless asked."""
+"""The long-running processes freeze their start-up heap once serving (extproc.heap): `extproc
+serve`, its accounting child and the emulated engine (as vLLM's engine core does). A full
+garbage collection then no longer walks the modules, policy and gRPC objects with the event
+loop stopped. A Service started inside another program (these tests) leaves that program's
+collector alone unless asked."""
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import gc
+import socket
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
+from extproc.service.accounting_link import READY, FrameReader
+from extproc.service.accounting_process import _serve_child
 from extproc.service.main import ServeOptions, Service
+from gateway_lab.engine import cli as engine_cli
 from tests.conftest import policy_yaml
 
 
@@ -57,3 +63,39 @@ async def test_a_service_inside_another_program_freezes_nothing(
 ) -> None:
     frozen, walked = await _served_freeze_count(tmp_path, freeze_heap=False)
     assert frozen == 0 and walked > 10_000
+
+
+async def test_the_emulated_engine_freezes_once_it_listens(unfrozen: None) -> None:
+    parser = argparse.ArgumentParser()
+    engine_cli.add_arguments(parser)
+    server = engine_cli.build_server(parser.parse_args(["--port", "0", "--profile", "fast"]))
+    stop = asyncio.Event()
+    task = asyncio.create_task(engine_cli._serve(server, stop))
+    try:
+
+        async def listening() -> None:
+            while server._port is None:
+                await asyncio.sleep(0.01)
+
+        await asyncio.wait_for(listening(), 10)
+        assert gc.get_freeze_count() > 10_000
+    finally:
+        stop.set()
+        await asyncio.wait_for(task, 10)
+
+
+async def test_the_accounting_child_freezes_once_it_serves(unfrozen: None) -> None:
+    parent, child = socket.socketpair()
+    parent.setblocking(False)
+    task = asyncio.create_task(_serve_child("127.0.0.1:0", child.detach()))
+    try:
+        reader, frames = FrameReader(), []
+        loop = asyncio.get_running_loop()
+        while not any(event[0] == READY for frame in frames for event in frame):
+            data = await asyncio.wait_for(loop.sock_recv(parent, 65536), 10)
+            assert data, "the child closed the link before it served"
+            frames += reader.feed(data)
+        assert gc.get_freeze_count() > 10_000
+    finally:
+        parent.close()  # the child stops serving when its link closes
+        await asyncio.wait_for(task, 10)
