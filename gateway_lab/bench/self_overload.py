@@ -41,7 +41,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from gateway_lab.bench import phases, quiet_path, reply_probe, revisions, scenario, trips
+from gateway_lab.bench import gc_trace, phases, quiet_path, reply_probe, revisions, scenario, trips
 from gateway_lab.bench.cores import (
     CoreSplit,
     descendants,
@@ -170,6 +170,8 @@ async def drive(
             result["reply_probe"] = probed
         measured = began + timing.warmup_s
         quiet_records = within(load.records, "quiet", measured, measured + timing.measure_s)
+        result["window_wall"] = [load.wall_t0 + measured,
+                                 load.wall_t0 + measured + timing.measure_s]  # fmt: skip
         return result, quiet_records, load.wall_t0
 
 
@@ -254,6 +256,9 @@ def run_arm(
         result["phases"] = quiet_phases
         joined = quiet_path.join(records, logged, wall_t0, "quiet")
         result["quiet_path"] = quiet_path.split(joined)
+    traced = gc_trace.traced_to()
+    if traced is not None:
+        result["gc_pauses"] = gc_trace.pauses(traced, *result["window_wall"])
     quiet = result["quiet"]
     log(
         NAME,
@@ -440,9 +445,15 @@ def run(
     }  # fmt: skip
     scenario.save_results(
         out, report, "self-overload.png",
-        lambda path: plot(results, summary, path), lambda: print_table(summary, results),
+        lambda path: plot(results, summary, path), lambda: print_tables(summary, results),
     )  # fmt: skip
     return report
+
+
+def print_tables(summary: dict[str, Any], results: dict[str, dict[str, Any]]) -> None:
+    print_table(summary, results)
+    if any("gc_pauses" in result for result in results.values()):
+        gc_trace.print_pauses({name: r.get("gc_pauses", []) for name, r in results.items()})
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -497,6 +508,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "with one runs (gateway_lab/bench/reply_probe.py), with its event-loop lag",
     )  # fmt: skip
     parser.add_argument(
+        "--gc-trace", action="store_true",
+        help="log every garbage collection of 1 ms or more in the run's Python processes "
+        "(OUT/gc-trace.jsonl, gateway_lab/bench/gc_trace.py) and print each arm's",
+    )  # fmt: skip
+    parser.add_argument(
         "--engine-policy", choices=("fcfs", "priority"), default="fcfs",
         help="the engine's --scheduling-policy (default fcfs, as the issue's table; the pools "
         "the project ships run priority, which orders the engine queue by the body's priority "
@@ -505,6 +521,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
+    if args.gc_trace:
+        gc_trace.enable(args.out / "gc-trace.jsonl")
     timing = scenario.chosen_timing(args, Timing(), Timing.quick())
     work = Workload()
     if args.over_rate:
