@@ -7,10 +7,10 @@ every inter-token gap is measured), feeding a `Meter`. `closed_loop` keeps N cli
 back to back (honouring `Retry-After`); `open_loop` sends Poisson arrivals whatever the
 answers. `summarize` gives the latency and throughput figures of a run.
 
-While a `Load` is open its process runs no automatic full garbage collection
-(`FullCollectionsPaused`): the load generator's records grow the heap, and a full collection
-of it stopped this client's event loop for up to ~190 ms, which the benchmark then timed as the
-gateway's latency (docs/benchmarks.md, "The benchmark's own pauses").
+While a `Load` is open its process runs no automatic garbage collection (`CollectorPaused`):
+a full collection of the load generator's growing heap stopped this client's event loop for
+up to ~190 ms, and its young collections for up to 15 ms of CPU, which the benchmark then timed
+as the gateway's latency (docs/benchmarks.md, "The benchmark's own pauses").
 """
 
 from __future__ import annotations
@@ -28,30 +28,25 @@ import aiohttp
 from gateway_lab.bench.records import Chunks, Meter, Record, Spec, percentile
 
 
-class FullCollectionsPaused:
-    """No automatic full (oldest-generation) collection in this process while any holder is
-    in: the young generations are still collected, so short-lived cycles are freed as usual.
-    The heap is collected once when the first holder enters and when the last one leaves,
-    outside what a benchmark times. Only long-lived cycles wait, and a load generator makes
-    few: ~1,500 objects over a 150 s flood in the measured case."""
+class CollectorPaused:
+    """No automatic garbage collection in this process while any holder is in; the heap is
+    collected when the first holder enters and when the last one leaves, outside what a
+    benchmark times. Reference counting still frees everything but cycles, and a load
+    generator makes few: a traced `over` run's young collections freed nothing, and the full
+    ones at its arms' ends 1,500-5,400 objects each."""
 
     _holders = 0
-    _threshold: tuple[int, int, int] = (700, 10, 10)
 
     def __enter__(self) -> None:
-        cls = FullCollectionsPaused
-        if cls._holders == 0:
+        if CollectorPaused._holders == 0:
             gc.collect()
-            cls._threshold = gc.get_threshold()
-            young, middle, _ = cls._threshold
-            gc.set_threshold(young, middle, 1 << 30)
-        cls._holders += 1
+            gc.disable()
+        CollectorPaused._holders += 1
 
     def __exit__(self, *exc: object) -> None:
-        cls = FullCollectionsPaused
-        cls._holders -= 1
-        if cls._holders == 0:
-            gc.set_threshold(*cls._threshold)
+        CollectorPaused._holders -= 1
+        if CollectorPaused._holders == 0:
+            gc.enable()
             gc.collect()
 
 
@@ -81,13 +76,13 @@ class Load:
         self.sent: dict[str, int] = {}
         self._ids = 0
         self._session: aiohttp.ClientSession | None = None
-        self._collections_paused = FullCollectionsPaused()
+        self._collector_paused = CollectorPaused()
 
     def now(self) -> float:
         return time.perf_counter() - self.t0
 
     async def __aenter__(self) -> Load:
-        self._collections_paused.__enter__()
+        self._collector_paused.__enter__()
         connector = aiohttp.TCPConnector(limit=0, force_close=False)
         timeout = aiohttp.ClientTimeout(total=self.request_timeout_s, sock_connect=10.0)
         self._session = aiohttp.ClientSession(connector=connector, timeout=timeout)
@@ -98,7 +93,7 @@ class Load:
             if self._session is not None:
                 await self._session.close()
         finally:
-            self._collections_paused.__exit__()
+            self._collector_paused.__exit__()
 
     def finish_pending(self, tenant: str | None = None) -> None:
         """Record the requests (of `tenant`, or all) still running as the run stops: those
