@@ -26,6 +26,7 @@ __all__ = [
 
 ENV = "GATEWAY_LAB_GC_TRACE"
 MIN_PAUSE_MS = 1.0
+LABEL_CHARS = 40
 SITE = Path(__file__).with_name("gc_trace_site")
 
 
@@ -80,11 +81,12 @@ class _Tracer:
 
 
 def _label(argv: list[str]) -> str:
-    """What the process is: its script or module and first argument."""
-    words = [Path(argv[0]).name if argv else "python", *argv[1:2]]
-    if words[0] == "__main__.py" and argv:
-        words[0] = Path(argv[0]).parent.name
-    return " ".join(word[:24] for word in words)
+    """What the process is: its script or module and first arguments, e.g. `extproc
+    --log-level WARNING serve` or `extproc engine --host 127.0.0.1`."""
+    name = Path(argv[0]).name if argv else "python"
+    if name == "__main__.py" and argv:
+        name = Path(argv[0]).parent.name
+    return " ".join([name, *argv[1:4]])[:LABEL_CHARS]
 
 
 def pauses(path: Path, start: float, end: float) -> list[dict[str, Any]]:
@@ -112,11 +114,11 @@ def pauses(path: Path, start: float, end: float) -> list[dict[str, Any]]:
 def print_pauses(by_arm: dict[str, list[dict[str, Any]]]) -> None:
     """The measured windows' collections, per arm and process (the longest first)."""
     print("\ngarbage collections >= 1 ms in the measured window (wall ms; CPU of the longest):")
-    print(f"{'arm':<28} {'process':<34} {'pauses':>6} {'full':>5} {'longest':>8} "
+    print(f"{'arm':<28} {'process':<40} {'pauses':>6} {'full':>5} {'longest':>8} "
           f"{'its cpu':>8} {'total':>8}")  # fmt: skip
     for arm, rows in by_arm.items():
         for row in rows or [{"process": "-", "pauses": 0, "full": 0, "longest_ms": 0.0,
                              "longest_cpu_ms": 0.0, "total_ms": 0.0}]:  # fmt: skip
-            print(f"{arm:<28} {row['process']:<34} {row['pauses']:>6} {row['full']:>5} "
+            print(f"{arm:<28} {row['process']:<40} {row['pauses']:>6} {row['full']:>5} "
                   f"{row['longest_ms']:>8.1f} {row['longest_cpu_ms']:>8.1f} "
                   f"{row['total_ms']:>8.1f}")  # fmt: skip
