@@ -31,8 +31,10 @@ SITE = Path(__file__).with_name("gc_trace_site")
 
 
 def enable(path: Path) -> None:
-    """Trace this process, and (through the environment) the Python processes it starts."""
+    """Trace this process, and (through the environment) the Python processes it starts, to
+    `path` (emptied first: a run's trace is its own)."""
     path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(b"")
     os.environ[ENV] = str(path)
     inherited = os.environ.get("PYTHONPATH")
     os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(SITE), inherited]))

@@ -25,8 +25,10 @@ subprocess.run([sys.executable, "-c", child], check=True, timeout=60)
 
 def test_a_traced_run_logs_its_own_and_its_childrens_full_collections(tmp_path: Path) -> None:
     trace = tmp_path / "gc-trace.jsonl"
+    trace.write_bytes(_event(1, 1.0, 2, 5.0) + b"\n")  # an earlier run's, into the same file
     subprocess.run([sys.executable, "-c", PARENT, str(trace)], check=True, timeout=60)
     rows = pauses(trace, 0.0, float("inf"))
+    assert 1 not in {row["pid"] for row in rows}  # the run's trace is its own
     assert len({row["pid"] for row in rows}) == 2  # the parent and the child it started
     assert all(row["full"] >= 1 for row in rows)
     assert max(row["longest_ms"] for row in rows) > 0.0
