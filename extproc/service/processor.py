@@ -168,7 +168,10 @@ class AdmissionProcessor:
 
     def _reject(self, error: GatewayError) -> ProcessingResponse:
         self.state.outcome = error.outcome
-        self.state.error = error
+        # Kept without its traceback: that holds this stream's frame, which holds the request
+        # that holds the error, a cycle only a full garbage collection frees, with the event
+        # loop stopped (docs/benchmarks.md, "The benchmark's own pauses").
+        self.state.error = error.with_traceback(None)
         return responses.immediate(http_answer(error))
 
     def _upstream_headers(self) -> tuple[list[tuple[str, str]], list[str]]:
