@@ -12,7 +12,8 @@ Per request (ms):
 * `out`: that byte at Envoy -> the client read its first chunk (Envoy relaying it, the client's
   event loop reading it).
 
-The four add up to the client's time to first chunk. Medians say what a typical request pays;
+The four add up to the client's time to first chunk; `sent` is the request's wall-clock start
+(seconds). Medians say what a typical request pays;
 the slowest requests say what sets the tail, which is the point above capacity.
 """
 
@@ -62,6 +63,7 @@ def join(
         in_ms = (start - sent) * 1000.0
         out.append(
             {
+                "sent": sent,
                 "ttft": ttft_ms,
                 "in": in_ms,
                 "door": door_us / 1000.0,

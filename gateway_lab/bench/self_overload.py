@@ -41,7 +41,16 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from gateway_lab.bench import gc_trace, phases, quiet_path, reply_probe, revisions, scenario, trips
+from gateway_lab.bench import (
+    gc_trace,
+    host_trace,
+    phases,
+    quiet_path,
+    reply_probe,
+    revisions,
+    scenario,
+    trips,
+)
 from gateway_lab.bench.cores import (
     CoreSplit,
     descendants,
@@ -70,13 +79,7 @@ from gateway_lab.bench.self_overload_arms import (
     paced_arms,
     policy_text,
 )
-from gateway_lab.bench.self_overload_load import (
-    MODEL,
-    Flood,
-    Timing,
-    Workload,
-    maker,
-)
+from gateway_lab.bench.self_overload_load import MODEL, Flood, Timing, Workload, maker
 from gateway_lab.bench.stack import PROFILE, Gateway, engine_set, gateway_stack
 from gateway_lab.bench.stats import fmt, status_counts, ttft_stats, within
 
@@ -123,9 +126,10 @@ def front_pids(gateway: Gateway) -> dict[str, int]:
 async def drive(
     arm: Arm, gateway: Gateway, work: Workload, timing: Timing, pids: dict[str, int], seed: int,
     probe_cores: frozenset[int] | None = None, probe: bool = False,
+    host: host_trace.HostSampler | None = None,
 ) -> tuple[dict[str, Any], list[Record], float]:  # fmt: skip
     """The arm's summary, the quiet tenant's records of the measured window and the
-    wall-clock time of the records' time 0."""
+    wall-clock time of the records' time 0; `host`, if given, samples the window."""
     url = gateway.base_url + "/v1/completions"
     meter = Meter(bin_s=0.5)
     cpu: dict[str, dict[str, float]] = {}
@@ -142,7 +146,8 @@ async def drive(
                     probe_cores,
                 )
             )  # fmt: skip
-        await asyncio.sleep(timing.measure_s)
+        with host or contextlib.nullcontext():
+            await asyncio.sleep(timing.measure_s)
         cpu["end"] = group_cpu(pids)
         return None if probing is None else await probing
 
@@ -233,7 +238,7 @@ def _median(values: list[float]) -> float:
 def run_arm(
     arm: Arm, endpoint: str, engine_pids: dict[str, int], workdir: Path, work: Workload,
     timing: Timing, split: CoreSplit | None, kvwarden_venv: Path, seed: int,
-    probe: bool = False,
+    probe: bool = False, trace_host: bool = False,
 ) -> dict[str, Any]:  # fmt: skip
     scenario.run_async(wait_engines_idle([endpoint]))
     log(NAME, f"arm {arm.name}: starting {arm.front}")
@@ -242,9 +247,11 @@ def run_arm(
         if split is not None:
             for pid in pids.values():
                 pin(pid, split.front)
+        every_pid = {**pids, **engine_pids, "loadgen": os.getpid()}
+        host = host_trace.HostSampler(every_pid) if trace_host else None
         driven: tuple[dict[str, Any], list[Record], float] = scenario.run_async(
-            drive(arm, gateway, work, timing, {**pids, **engine_pids, "loadgen": os.getpid()},
-                  seed, None if split is None else split.engine, probe)
+            drive(arm, gateway, work, timing, every_pid, seed,
+                  None if split is None else split.engine, probe, host)
         )  # fmt: skip
         result, records, wall_t0 = driven
         envoy_log = workdir / arm.name / "envoy.log"
@@ -256,6 +263,10 @@ def run_arm(
         result["phases"] = quiet_phases
         joined = quiet_path.join(records, logged, wall_t0, "quiet")
         result["quiet_path"] = quiet_path.split(joined)
+        if host is not None:
+            window = (result["window_wall"][0], result["window_wall"][1])
+            result["host"] = host_trace.slow_requests(joined, host.samples, window)
+            result["host"]["timeline"] = host_trace.timeline(joined, host.samples, window)
     traced = gc_trace.traced_to()
     if traced is not None:
         result["gc_pauses"] = gc_trace.pauses(traced, *result["window_wall"])
@@ -406,12 +417,15 @@ def plot(results: dict[str, dict[str, Any]], summary: dict[str, Any], path: Path
     if paths:
         quiet_path.plot_split(axes[1], paths)
     save_figure(fig, path)
+    traced = {n: r["host"]["timeline"] for n, r in results.items() if "host" in r}
+    if traced:
+        host_trace.plot_timeline(traced, path.with_name("host-trace.png"))
 
 
 def run(
     out: Path, workdir: Path, work: Workload, timing: Timing, arms: list[Arm],
     kvwarden_venv: Path, seed: int = 7, profile: str = PROFILE, engine_policy: str = "fcfs",
-    probe: bool = False,
+    probe: bool = False, trace_host: bool = False,
 ) -> dict[str, Any]:  # fmt: skip
     began = time.perf_counter()
     split = split_cores()
@@ -426,7 +440,7 @@ def run(
             for arm in arms:
                 results[arm.name] = run_arm(
                     arm, endpoint, engine_pids, workdir, work, timing, split, kvwarden_venv,
-                    seed, probe,
+                    seed, probe, trace_host,
                 )  # fmt: skip
     summary = compare(results)
     report = {
@@ -445,15 +459,22 @@ def run(
     }  # fmt: skip
     scenario.save_results(
         out, report, "self-overload.png",
-        lambda path: plot(results, summary, path), lambda: print_tables(summary, results),
+        lambda path: plot(results, summary, path),
+        lambda: print_tables(summary, results, split),
     )  # fmt: skip
     return report
 
 
-def print_tables(summary: dict[str, Any], results: dict[str, dict[str, Any]]) -> None:
+def print_tables(
+    summary: dict[str, Any], results: dict[str, dict[str, Any]], split: CoreSplit | None
+) -> None:
     print_table(summary, results)
     if any("gc_pauses" in result for result in results.values()):
         gc_trace.print_pauses({name: r.get("gc_pauses", []) for name, r in results.items()})
+    traced = {name: r["host"] for name, r in results.items() if "host" in r}
+    if traced:
+        front = [f"cpu{c}" for c in sorted(split.front)] if split else []
+        host_trace.print_slow(traced, front)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -513,6 +534,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "(OUT/gc-trace.jsonl, gateway_lab/bench/gc_trace.py) and print each arm's",
     )  # fmt: skip
     parser.add_argument(
+        "--host-trace", action="store_true",
+        help="sample the CPUs' steal and idle time and each process's wait to run through "
+        "every window (gateway_lab/bench/host_trace.py); print them around each arm's "
+        "slowest quiet requests and plot them second by second (OUT/host-trace.png)",
+    )  # fmt: skip
+    parser.add_argument(
         "--engine-policy", choices=("fcfs", "priority"), default="fcfs",
         help="the engine's --scheduling-policy (default fcfs, as the issue's table; the pools "
         "the project ships run priority, which orders the engine queue by the body's priority "
@@ -554,7 +581,7 @@ def main(args: argparse.Namespace) -> int:
         arms = [a for a in arms if a.front != "kvwarden"]
     run(
         args.out, scenario.workdir_of(args), work, timing, arms, args.kvwarden_venv, args.seed,
-        engine_policy=args.engine_policy, probe=args.probe,
+        engine_policy=args.engine_policy, probe=args.probe, trace_host=args.host_trace,
     )  # fmt: skip
     return 0
 
