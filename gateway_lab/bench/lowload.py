@@ -23,7 +23,10 @@ two (Envoy, the front and this load generator on the others). One tenant sends 1
   `/metrics` (10 times a second by default): what that polling costs the engine and us;
 * `before` (with `--before-src DIR`): our service from another source tree (PYTHONPATH=DIR),
   to compare a change with what it replaces in the same run; `before-child` the same with its
-  accounting child process, as `service-child`.
+  accounting child process, as `service-child`;
+* any arm with `-awake` (`straight-awake`, `noop-awake`, `service-awake`): the same with every
+  CPU kept from going idle (gateway_lab.bench.awake), so no message waits for a halted CPU to
+  wake; what it adds is measured against `straight-awake`.
 
 The arms take turns in `--rounds` rounds (a fresh stack per turn, the order rotated each
 round), so drifts of a shared machine hit every arm alike. Per arm: the time to the first
@@ -51,7 +54,7 @@ import orjson
 
 from extproc.envoy_routes import ACCOUNTING_FILTER
 from extproc.policy import hash_key
-from gateway_lab.bench import phases, revisions, scenario, trips
+from gateway_lab.bench import awake, phases, revisions, scenario, trips
 from gateway_lab.bench.cores import (
     CoreSplit,
     descendants,
@@ -77,6 +80,8 @@ ARMS = (
 )  # fmt: skip
 BEFORE_ARMS = ("before", "before-child")
 """Arms that run the service of `--before-src`."""
+AWAKE = "-awake"
+"""The suffix of an arm run with every CPU kept awake."""
 TARGET_ADDED_P50_MS = 1.0
 TARGET_ADDED_P99_MS = 3.0
 
@@ -214,7 +219,12 @@ def run_turn(
 ) -> dict[str, Any]:  # fmt: skip
     scenario.run_async(wait_engines_idle([endpoint]))
     where = workdir / f"{arm}-{round_index}"
-    with front(arm, where, endpoint, before_src) as gateway:
+    spinning = arm.endswith(AWAKE)
+    cpus = os.sched_getaffinity(0) | (split.engine if split else frozenset())
+    with (
+        awake.kept_awake(cpus if spinning else ()),
+        front(arm.removesuffix(AWAKE), where, endpoint, before_src) as gateway,
+    ):
         if split is not None:
             for child in gateway.stack.children:
                 if child.process is not None:
@@ -249,9 +259,10 @@ def merge(turns: list[dict[str, Any]], measure_s: float) -> dict[str, Any]:
 
 
 def compare(by_arm: dict[str, dict[str, Any]]) -> dict[str, Any]:
-    straight = by_arm.get("straight")
+    """What each arm adds to `straight` (an `-awake` arm: to `straight-awake`)."""
     out: dict[str, Any] = {}
     for arm, result in by_arm.items():
+        straight = by_arm.get("straight" + AWAKE if arm.endswith(AWAKE) else "straight")
         added_p50 = result["ttft_p50_ms"] - straight["ttft_p50_ms"] if straight else float("nan")
         added_p99 = result["ttft_p99_ms"] - straight["ttft_p99_ms"] if straight else float("nan")
         out[arm] = {"added_p50_ms": added_p50, "added_p99_ms": added_p99}
@@ -259,7 +270,7 @@ def compare(by_arm: dict[str, dict[str, Any]]) -> dict[str, Any]:
 
 
 def print_table(by_arm: dict[str, dict[str, Any]], added: dict[str, Any]) -> None:
-    print(f"\n{'arm':12} {'answered':>8} {'TTFT p50':>9} {'p99':>8} {'+p50':>7} {'+p99':>7} "
+    print(f"\n{'arm':16} {'answered':>8} {'TTFT p50':>9} {'p99':>8} {'+p50':>7} {'+p99':>7} "
           f"{'front cores':>11} {'CPU us/req':>10}")  # fmt: skip
 
     def signed(value: float | None) -> str:  # None: NaN read back from results.json
@@ -267,16 +278,16 @@ def print_table(by_arm: dict[str, dict[str, Any]], added: dict[str, Any]) -> Non
 
     for arm, r in by_arm.items():
         print(
-            f"{arm:12} {r['requests']:8d} {r['ttft_p50_ms']:8.1f}ms {r['ttft_p99_ms']:7.1f}ms "
+            f"{arm:16} {r['requests']:8d} {r['ttft_p50_ms']:8.1f}ms {r['ttft_p99_ms']:7.1f}ms "
             f"{signed(added[arm]['added_p50_ms']):>7} {signed(added[arm]['added_p99_ms']):>7} "
             f"{r['front_cores']:11.3f} {r['front_cpu_us_per_request']:10.0f}"
         )
     print("\nEnvoy: the request's first byte -> its first byte upstream (ms), P50 / P90:")
     for arm, r in by_arm.items():
         upstream = r["phases"]["phases_ms"]["upstream_start"]
-        print(f"  {arm:12} {upstream['p50']:6.2f} / {upstream['p90']:6.2f}")
+        print(f"  {arm:16} {upstream['p50']:6.2f} / {upstream['p90']:6.2f}")
     phases.print_breakdown({arm: r["phases"] for arm, r in by_arm.items()})
-    for arm in ("service", "before"):
+    for arm in ("service", "before", "service" + AWAKE):
         if arm in added and "straight" in added:
             p50, p99 = added[arm]["added_p50_ms"], added[arm]["added_p99_ms"]
             print(f"\n{arm}: added p50 {p50:+.2f} ms (target <= {TARGET_ADDED_P50_MS}), "
@@ -354,7 +365,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--rounds", type=int, default=Settings.rounds)
     parser.add_argument("--measure", type=float, help="measured seconds per arm and round")
     parser.add_argument(
-        "--arms", help=f"comma-separated subset of {list(ARMS)} (and {', '.join(BEFORE_ARMS)})"
+        "--arms",
+        help=f"comma-separated subset of {list(ARMS)} (and {', '.join(BEFORE_ARMS)}), each "
+        f"also with {AWAKE}: every CPU kept awake (gateway_lab/bench/awake.py)",
     )
     parser.add_argument(
         "--before-src", type=Path, help="a source tree whose service runs as the `before` arm"
@@ -370,8 +383,9 @@ def main(args: argparse.Namespace) -> int:
     arms = list(ARMS) + (["before"] if args.before_src else [])
     if args.arms:
         arms = [a.strip() for a in args.arms.split(",") if a.strip()]
-    unknown = [a for a in arms if a not in (*ARMS, *BEFORE_ARMS)]
-    if unknown or (set(arms) & set(BEFORE_ARMS) and args.before_src is None):
+    unknown = [a for a in arms if a.removesuffix(AWAKE) not in (*ARMS, *BEFORE_ARMS)]
+    before = {a.removesuffix(AWAKE) for a in arms} & set(BEFORE_ARMS)
+    if unknown or (before and args.before_src is None):
         raise SystemExit(f"unknown arms {unknown} (known: {list(ARMS)}; {', '.join(BEFORE_ARMS)} "
                          "need --before-src)")  # fmt: skip
     run(args.out, scenario.workdir_of(args), settings, arms, args.before_src)
