@@ -305,12 +305,19 @@ class Metrics:
         self.attached_other = self.accounting_attached.labels("other")
         # -- the service falling behind itself (extproc.service.overload) ------------------------
         self.shed = Counter(
-            "extproc_shed", "Requests shed because the service fell behind (reason: lag or "
-            "message_age), new or queued, of tenants above their fair share", ["reason", "tier"],
+            "extproc_shed", "Requests shed because the service fell behind (reason: lag, "
+            "message_age or cpu_wait), new or queued, of tenants above their fair share",
+            ["reason", "tier"],
             registry=r,
         )  # fmt: skip
         self.event_loop_lag = Gauge(
             "extproc_event_loop_lag_seconds", "Latest event-loop lag sampled by the monitor",
+            registry=r,
+        )  # fmt: skip
+        self.cpu_wait = Gauge(
+            "extproc_event_loop_cpu_wait_ratio", "Share of the last half second the event "
+            "loop's thread was ready to run but had no CPU (sampled while "
+            "gateway.overload.cpu_wait_fraction is set)",
             registry=r,
         )  # fmt: skip
         self.overloaded = Gauge(

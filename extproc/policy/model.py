@@ -325,7 +325,8 @@ class Estimation(StrictModel):
 class Overload(StrictModel):
     """Shedding when the service itself falls behind (extproc.service.overload): while the
     event loop lags more than `lag_threshold_ms` (or Envoy's oldest unanswered message is older
-    than `message_age_fraction` of `gateway.message_timeout`), new and queued requests of the
+    than `message_age_fraction` of `gateway.message_timeout`, or the loop's thread waits for a
+    CPU more than `cpu_wait_fraction` of the time), new and queued requests of the
     tenants above their fair share get 429 + Retry-After; tenants within it are untouched."""
 
     enabled: bool = True
@@ -336,6 +337,10 @@ class Overload(StrictModel):
     """How often the monitor samples the event loop (each sample is one timer wake-up)."""
     recover_ms: Annotated[float, Field(gt=0, le=600_000)] = 1000.0
     """Shedding stops once no signal has been over its threshold for this long."""
+    cpu_wait_fraction: Annotated[float, Field(gt=0, le=1)] | None = None
+    """Shed also while the event loop's thread spends more than this share of the last half
+    second ready to run but without a CPU (the cores it shares with Envoy are oversubscribed:
+    extproc.service.cpu_wait); None: off."""
 
 
 class Gateway(StrictModel):

@@ -197,6 +197,8 @@ class Gateway:
 
     def _after_overload_sample(self, shedding: bool) -> None:
         self.metrics.event_loop_lag.set(self.overload.lag_s)
+        if self.overload.cpu_wait is not None:
+            self.metrics.cpu_wait.set(self.overload.cpu_wait)
         self.metrics.overloaded.set(1 if shedding else 0)
         if not shedding or not self.overload.shed_set:
             return

@@ -16,7 +16,12 @@ Two cheap signals say the service is falling behind (`gateway.overload` in the p
   extproc.service.arrival), which counts the time a new stream waited before the servicer was
   handed it, where the other two signals see nothing.
 
-While either is over its threshold (lag: two samples within half a second, so one collector
+* CPU wait (`cpu_wait_fraction`, off unless set): the share of the last half second the
+  event loop's thread was ready to run but had no CPU (extproc.service.cpu_wait). The loop
+  can be on time by the lag's measure and still answer every message late, a few ms at a
+  time, when the cores it shares with Envoy (and anything else) are oversubscribed.
+
+While any is over its threshold (lag: two samples within half a second, so one collector
 pause does not count) and for `recover_ms` after, the service sheds: new requests of the
 tenants above their fair share (`Scheduler.over_share`, refreshed every sample) get 429 +
 Retry-After at submit, and their queued requests are answered the same way at once. Tenants
@@ -33,6 +38,7 @@ from collections.abc import Callable
 
 from extproc.policy.model import Gateway as GatewaySettings
 from extproc.service.arrival import ArrivalDelay
+from extproc.service.cpu_wait import CpuWait, schedstat_path
 
 log = logging.getLogger("extproc.overload")
 
@@ -68,8 +74,11 @@ class OverloadDetector:
         self._late_samples: deque[float] = deque(maxlen=LAG_SAMPLES)
         self._last_over: float | None = None
         self.reason: str | None = None
-        """Why the service sheds now ("lag" or "message_age"), None when it does not."""
+        """Why the service sheds now ("lag", "message_age" or "cpu_wait"), None when it does
+        not."""
         self.lag_s = 0.0
+        self.cpu_wait: float | None = None
+        """The event loop thread's latest share of time waiting for a CPU (None: unknown)."""
         self.shed_set: frozenset[str] = frozenset()
         """The tenants shed while `reason` is set (over their share at the last sample)."""
         self.wake: Callable[[], None] | None = None
@@ -85,6 +94,7 @@ class OverloadDetector:
         monitor's interval and whether it runs at all are fixed when it starts)."""
         settings = self.settings = gateway.overload
         self._lag_threshold_s = settings.lag_threshold_ms / 1000.0
+        self._cpu_wait_limit = settings.cpu_wait_fraction
         self._age_limit_s = settings.message_age_fraction * gateway.message_timeout
         self._recover_s = settings.recover_ms / 1000.0
 
@@ -128,10 +138,12 @@ class OverloadDetector:
             return now - opened
         return 0.0
 
-    def observe(self, lag_s: float) -> bool:
-        """One monitor sample: update the state; True if the service sheds now."""
+    def observe(self, lag_s: float, cpu_wait: float | None = None) -> bool:
+        """One monitor sample (the loop's lag, its thread's share of time waiting for a CPU):
+        update the state; True if the service sheds now."""
         now = self._clock()
         self.lag_s = lag_s
+        self.cpu_wait = cpu_wait
         if not self.settings.enabled:
             self.reason, self._last_over, self.shed_set = None, None, frozenset()
             return False
@@ -144,15 +156,20 @@ class OverloadDetector:
         arrival, self._arrival_excess = self._arrival_excess, 0.0
         if reason is None and max(self.oldest_pending_age(now), arrival) > self._age_limit_s:
             reason = "message_age"
+        limit = self._cpu_wait_limit
+        if reason is None and limit is not None and cpu_wait is not None and cpu_wait > limit:
+            reason = "cpu_wait"
         if reason is not None:
             if self.reason is None:
                 log.warning(
                     "falling behind (%s; loop lag %.0f ms, oldest unanswered message %.0f ms, "
-                    "latest arrival %.0f ms late): shedding tenants above their fair share",
+                    "latest arrival %.0f ms late, waiting for a CPU %.0f%% of the time): "
+                    "shedding tenants above their fair share",
                     reason,
                     lag_s * 1000.0,
                     self.oldest_pending_age(now) * 1000.0,
                     arrival * 1000.0,
+                    100.0 * (cpu_wait or 0.0),
                 )
             self._last_over = now
             self.reason = reason
@@ -186,6 +203,8 @@ class LagMonitor:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._timer: asyncio.TimerHandle | None = None
         self._interval_s = detector.settings.interval_ms / 1000.0
+        self._cpu_wait: CpuWait | None = None
+        """The loop thread's wait for a CPU, read at each sample (made in `start`, on it)."""
         self.next_sample_at = 0.0
         """When (loop time) the next sample is due; the lag is measured from it."""
 
@@ -198,6 +217,7 @@ class LagMonitor:
         if self._timer is None and self.detector.enabled:
             self._loop = asyncio.get_running_loop()
             self._interval_s = self.detector.settings.interval_ms / 1000.0
+            self._cpu_wait = CpuWait(schedstat_path())
             self._schedule(self._interval_s)
 
     async def stop(self) -> None:
@@ -215,8 +235,11 @@ class LagMonitor:
         assert self._loop is not None
         lag = max(0.0, self._loop.time() - self.next_sample_at)
         detector = self.detector
+        cpu_wait = None
+        if self._cpu_wait is not None and detector.settings.cpu_wait_fraction is not None:
+            cpu_wait = self._cpu_wait.sample()
         try:
-            self._on_sample(detector.observe(lag))
+            self._on_sample(detector.observe(lag, cpu_wait))
             quiet = detector.quiet and self._idle()
         except Exception:
             log.exception("overload sample failed")

@@ -239,7 +239,7 @@ def plot_timeline(by_arm: Mapping[str, Sequence[Mapping[str, Any]]], path: Path)
 
     plt = pyplot()
     fig, axes = plt.subplots(len(by_arm), 1, figsize=(12, 2.6 * len(by_arm)), squeeze=False)
-    for ax, (arm, rows) in zip(axes[:, 0], by_arm.items(), strict=True):
+    for i, (ax, (arm, rows)) in enumerate(zip(axes[:, 0], by_arm.items(), strict=True)):
         xs = [r["at_s"] for r in rows]
         ax.plot(xs, [r["slowest_ms"] for r in rows], "o", markersize=3, color="black")
         ax.set_ylabel("slowest quiet\nTTFT (ms)")
@@ -253,6 +253,7 @@ def plot_timeline(by_arm: Mapping[str, Sequence[Mapping[str, Any]]], path: Path)
         rates.plot(xs, front, label="front processes waiting to run")
         rates.plot(xs, engine, label="engine waiting to run")
         rates.set_ylabel("ms per second")
-    axes[0, 0].figure.legend(loc="upper right", fontsize=8)
+        if i == 0:
+            rates.legend(loc="upper left", fontsize=7)
     axes[-1, 0].set_xlabel("seconds into the measured window")
     save_figure(fig, path)

@@ -73,6 +73,7 @@ from gateway_lab.bench.self_overload_arms import (
     apart_arms,
     before_arms,
     compiled_arms,
+    cpu_wait_arms,
     delta_arms,
     door_arms,
     lua_arms,
@@ -80,6 +81,12 @@ from gateway_lab.bench.self_overload_arms import (
     policy_text,
 )
 from gateway_lab.bench.self_overload_load import MODEL, Flood, Timing, Workload, maker
+from gateway_lab.bench.self_overload_report import (
+    ONSET_S,
+    TARGET_OVER_P99_RATIO,
+    plot,
+    print_tables,
+)
 from gateway_lab.bench.stack import PROFILE, Gateway, engine_set, gateway_stack
 from gateway_lab.bench.stats import fmt, status_counts, ttft_stats, within
 
@@ -91,7 +98,6 @@ FRONTS = {"straight": "straight", "noop": "noop", "service": "extproc"}
 TARGET_ADDED_P50_MS = 1.0
 TARGET_ADDED_P99_MS = 3.0
 TARGET_ROOM_OF_FIFO = 1.1
-TARGET_OVER_P99_RATIO = 2.0
 
 
 @contextlib.contextmanager
@@ -105,7 +111,7 @@ def front(arm: Arm, workdir: Path, endpoint: str, kvwarden_venv: Path) -> Iterat
     env = None if arm.source is None else revisions.tree_env(arm.source)
     with gateway_stack(
         workdir / arm.name,
-        policy_text(endpoint, arm.latency_delta, arm.door_limit, arm.prefill_budget),
+        policy_text(endpoint, arm.latency_delta, arm.door_limit, arm.prefill_budget, arm.cpu_wait),
         FRONTS[arm.front],
         bootstrap_edit=edit,
         accounting_process=arm.accounting_process,
@@ -178,11 +184,6 @@ async def drive(
         result["window_wall"] = [load.wall_t0 + measured,
                                  load.wall_t0 + measured + timing.measure_s]  # fmt: skip
         return result, quiet_records, load.wall_t0
-
-
-ONSET_S = 10.0
-"""The quiet requests sent in the flood's first seconds (the warm-up included) are its onset:
-what a controller lets in before its first samples is still in the engines then."""
 
 
 def summarize(
@@ -356,72 +357,6 @@ def kvwarden_workload_targets(rows: dict[str, dict[str, Any]]) -> dict[str, bool
     }
 
 
-def print_table(summary: dict[str, Any], results: dict[str, dict[str, Any]]) -> None:
-    rows = summary["rows"]
-    print(
-        f"\n{'arm':20} {'quiet p50':>10} {'p99':>9} {'p50 x':>6} {'p99 x':>6} {'failed':>6} "
-        f"{'flood tok/s':>11}  flooder answers / cpu cores"
-    )
-    for name, row in rows.items():
-        cpu = " ".join(f"{k.split()[0]} {v:.2f}" for k, v in row["cpu_cores"].items())
-        print(
-            f"{name:20} {fmt(row['quiet_p50_ms']):>8}ms {fmt(row['quiet_p99_ms']):>7}ms "
-            f"{fmt(row['p50_x_solo'], 2):>6} {fmt(row['p99_x_solo'], 2):>6} "
-            f"{row['quiet_failed']:>6} {fmt(row['flooder_output_tok_s'], 0):>11}  "
-            f"{row['flooder_status'] or '-'} / {cpu}"
-        )
-    print_onset(results)
-    phased = {n: r["phases"] for n, r in results.items() if "phases" in r}
-    phases.print_breakdown(phased)
-    quiet_path.print_split({n: r["quiet_path"] for n, r in results.items() if "quiet_path" in r})
-    reply_probe.print_door(results)
-    print("\ntargets:")
-    for target, met in summary["targets"].items():
-        print(f"  {target}: {'met' if met else 'NOT met'}")
-
-
-def print_onset(results: dict[str, dict[str, Any]]) -> None:
-    """The quiet tenant's first chunk in the flood's first ONSET_S seconds and after them."""
-    loaded = {n: r for n, r in results.items() if r["load"] != "alone" and "quiet_onset" in r}
-    if not loaded:
-        return
-    print(f"\nquiet TTFT in the flood's first {ONSET_S:.0f} s (warm-up included) and after:")
-    print(f"{'arm':24} {'onset n':>7} {'p50':>9} {'max':>9} {'after n':>7} {'p50':>9} {'p99':>9}")
-    for name, r in loaded.items():
-        onset, after = r["quiet_onset"], r["quiet_after_onset"]
-        onset_ms = f"{fmt(onset['p50_ms']):>7}ms {fmt(onset['max_ms']):>7}ms"
-        after_ms = f"{fmt(after['p50_ms']):>7}ms {fmt(after['p99_ms']):>7}ms"
-        print(f"{name:24} {onset['count']:>7} {onset_ms} {after['count']:>7} {after_ms}")
-
-
-def plot(results: dict[str, dict[str, Any]], summary: dict[str, Any], path: Path) -> None:
-    from gateway_lab.bench.figures import pyplot, save_figure
-
-    plt = pyplot()
-    names = list(summary["rows"])
-    paths = {
-        n: r["quiet_path"] for n, r in results.items() if r.get("quiet_path", {}).get("requests")
-    }
-    fig, axes = plt.subplots(1, 2 if paths else 1, figsize=(16 if paths else 10, 4.5))
-    ax = axes[0] if paths else axes
-    xs = range(len(names))
-    p50 = [summary["rows"][n]["p50_x_solo"] for n in names]
-    p99 = [summary["rows"][n]["p99_x_solo"] for n in names]
-    ax.bar([x - 0.2 for x in xs], p50, width=0.4, label="quiet P50 x solo")
-    ax.bar([x + 0.2 for x in xs], p99, width=0.4, label="quiet P99 x solo")
-    ax.axhline(TARGET_OVER_P99_RATIO, color="grey", linestyle="--", linewidth=1)
-    ax.set_yscale("log")
-    ax.set_xticks(list(xs), names, rotation=30, ha="right")
-    ax.set_ylabel("time to first chunk / solo (log)")
-    ax.legend()
-    if paths:
-        quiet_path.plot_split(axes[1], paths)
-    save_figure(fig, path)
-    traced = {n: r["host"]["timeline"] for n, r in results.items() if "host" in r}
-    if traced:
-        host_trace.plot_timeline(traced, path.with_name("host-trace.png"))
-
-
 def run(
     out: Path, workdir: Path, work: Workload, timing: Timing, arms: list[Arm],
     kvwarden_venv: Path, seed: int = 7, profile: str = PROFILE, engine_policy: str = "fcfs",
@@ -465,18 +400,6 @@ def run(
     return report
 
 
-def print_tables(
-    summary: dict[str, Any], results: dict[str, dict[str, Any]], split: CoreSplit | None
-) -> None:
-    print_table(summary, results)
-    if any("gc_pauses" in result for result in results.values()):
-        gc_trace.print_pauses({name: r.get("gc_pauses", []) for name, r in results.items()})
-    traced = {name: r["host"] for name, r in results.items() if "host" in r}
-    if traced:
-        front = [f"cpu{c}" for c in sorted(split.front)] if split else []
-        host_trace.print_slow(traced, front)
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     scenario.add_scenario_arguments(parser, DEFAULT_OUT, "measured seconds per arm")
     parser.add_argument(
@@ -484,7 +407,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help=f"comma-separated subset of {[a.name for a in ARMS]}, room-first-D and "
         "over-first-D for each D of --first-token-deltas, room-tail-D and over-tail-D for "
         "each D of --tail-deltas (each also as ...-lua, counting in Envoy), room-paced-B and "
-        "over-paced-B for each B of --prefill-budgets (also as ...-lua); each arm with a "
+        "over-paced-B for each B of --prefill-budgets, room-cpu-F and over-cpu-F for each F "
+        "of --cpu-waits (also as ...-lua); each arm with a "
         "flood also as ...-apart, the flooder's client in a process of its own",
     )
     parser.add_argument(
@@ -508,6 +432,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="prefill budgets of the room-paced-B and over-paced-B arms (default %(default)s: one "
         "backlogged prompt in prefill at a time, where `extproc bench frontier --workload "
         "kvwarden` meets issue 15's target)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--cpu-waits", default="0.1,0.25",
+        help="`gateway.overload.cpu_wait_fraction` of the room-cpu-F and over-cpu-F arms "
+        "(default %(default)s)",
     )  # fmt: skip
     parser.add_argument(
         "--before", metavar="REV",
@@ -558,7 +487,8 @@ def main(args: argparse.Namespace) -> int:
                             args.tail_quantile)  # fmt: skip
     every = (*ARMS, *objectives, *lua_arms(objectives),
              *door_arms([int(n) for n in listed(args.door_limits)]),
-             *paced_arms([int(b) for b in listed(args.prefill_budgets)]))  # fmt: skip
+             *paced_arms([int(b) for b in listed(args.prefill_budgets)]),
+             *cpu_wait_arms([float(f) for f in listed(args.cpu_waits)]))  # fmt: skip
     if args.before:
         source = revisions.tree_of_rev(args.before, scenario.workdir_of(args) / "before-src")
         every = (*every, *before_arms(source, objectives))

@@ -44,6 +44,9 @@ class Arm:
     one_round_trip: bool = False
     """The admission filter streams the body without waiting for the headers reply (`-1trip`
     arms, `envoy render --one-round-trip`: gateway_lab.bench.trips)."""
+    cpu_wait: float | None = None
+    """The policy's `gateway.overload.cpu_wait_fraction` (`over-cpu-F` arms): shed the
+    backlogged tenants while the service's event loop waits for a CPU more than F of the time."""
     flood_apart: bool = False
     """The flooder's client runs in a process of its own (`-apart` arms,
     gateway_lab.bench.self_overload_load): the quiet tenant's event loop reads only its own
@@ -135,6 +138,17 @@ def paced_arms(budgets: Sequence[int]) -> tuple[Arm, ...]:
     return (*paced, *lua_arms(paced))
 
 
+def cpu_wait_arms(fractions: Sequence[float]) -> tuple[Arm, ...]:
+    """`room-cpu-F`, `over-cpu-F` and each as `-lua`: the default policy with
+    `gateway.overload.cpu_wait_fraction: F`."""
+    arms = tuple(
+        Arm(f"{load}-cpu-{f:g}", "service", load, cpu_wait=f)
+        for load in ("room", "over")
+        for f in fractions
+    )
+    return (*arms, *lua_arms(arms))
+
+
 def before_arms(source: Path, objective_arms: Sequence[Arm] = ()) -> tuple[Arm, ...]:
     """`room-before`, `over-before` and, for each of `objective_arms`, `<its name>-before`:
     the service of another revision (`--before REV`), with the same policy."""
@@ -160,9 +174,11 @@ def policy_text(
     latency_delta: str | None = None,
     door_limit: int | None = None,
     prefill_budget: int | None = None,
+    cpu_wait: float | None = None,
 ) -> str:
     """Our full policy: the defaults (DRR, headroom, adaptive soft limit, overload shedding),
-    and a δ objective, a static soft limit or a prefill budget, if given."""
+    and a δ objective, a static soft limit, a prefill budget or a CPU-wait threshold, if
+    given."""
     objective = scenario.standard_objective(latency_delta)
     capacity = (
         "max_inflight: 512"
@@ -172,6 +188,9 @@ def policy_text(
     )
     if prefill_budget is not None:
         capacity += f", prefill_budget_tokens: {prefill_budget}"
+    overload = (
+        "" if cpu_wait is None else f",\n          overload: {{cpu_wait_fraction: {cpu_wait}}}"
+    )
     return f"""\
 version: 1
 tiers: [standard]
@@ -182,5 +201,5 @@ pools:
   {scenario.POOL}: {{max_total_tokens: 131072, {capacity},
           max_inflight_tokens: 1000000000, endpoints: ["{endpoint}"]}}
 estimation: {{mode: flat, default_bytes_per_token: 4.0}}
-gateway: {{default_max_tokens: 256, message_timeout: 5s}}
+gateway: {{default_max_tokens: 256, message_timeout: 5s{overload}}}
 """
