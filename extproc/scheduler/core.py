@@ -428,6 +428,10 @@ class Scheduler:
         when the service itself falls behind. O(tenants + active tenants per pool)."""
         return shares.over_share(self._live, self.clock.now())
 
+    def tenants_with_queued(self) -> set[str]:
+        """Tenants with a request queued now, in any pool (`queued_tenants`: in one)."""
+        return shares.queued_tenants(self._live)
+
     def shed_queued_of(self, tenants: set[str], message: str) -> list[Rejection]:
         """Answer the queued requests of `tenants` (overload): 429 + Retry-After, refunded."""
         return shares.shed_queued(self._live, tenants, self.clock.now(), message)

@@ -38,6 +38,11 @@ def over_share(live: Live, now: float) -> set[str]:
     return over
 
 
+def queued_tenants(live: Live) -> set[str]:
+    """Tenants with a request queued now."""
+    return {name for name, state in live.tenants.items() if state.queued > 0}
+
+
 def _over_tokens(live: Live, pool: PoolState) -> list[str]:
     policy = live.policy
     weights: dict[str, float] = {}

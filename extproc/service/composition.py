@@ -67,7 +67,9 @@ def compose_core(policy: Policy, metrics: Metrics | None = None, sole_client: bo
         )
         reconciler = Reconciler(ledger, hooks, engine_poller)
         settlement.reconciler = reconciler
-    overload = OverloadDetector(policy.source.gateway, scheduler.over_share)
+    overload = OverloadDetector(
+        policy.source.gateway, scheduler.over_share, queued=scheduler.tenants_with_queued
+    )
     overload.on_arrival = metrics.envoy_to_handler.observe
     gateway = Gateway(
         policy,

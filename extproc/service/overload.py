@@ -23,9 +23,14 @@ Two cheap signals say the service is falling behind (`gateway.overload` in the p
 
 While any is over its threshold (lag: two samples within half a second, so one collector
 pause does not count) and for `recover_ms` after, the service sheds: new requests of the
-tenants above their fair share (`Scheduler.over_share`, refreshed every sample) get 429 +
+tenants above their fair share (`Scheduler.over_share`; during an episode, see below) get 429 +
 Retry-After at submit, and their queued requests are answered the same way at once. Tenants
-within their share are never shed: what is left of the service's time goes to them.
+within their share are never shed: what is left of the service's time goes to them. The
+shed tenants' demand leaves the scheduler as it is shed, and once theirs has drained a light
+tenant's one request in flight is most of what is left: by the share rule alone it would be
+over and shed. So the tenants over their share when an episode of shedding begins stay shed
+for the episode, and a tenant joins them during it only while it is over its share *and* has
+a request queued.
 """
 
 from __future__ import annotations
@@ -64,9 +69,11 @@ class OverloadDetector:
         gateway: GatewaySettings,
         over_share: Callable[[], set[str]],
         clock: Callable[[], float] = time.monotonic,
+        queued: Callable[[], set[str]] = set,
     ) -> None:
         self.configure(gateway)
         self._over_share = over_share
+        self._queued = queued
         self._clock = clock
         self._pending: dict[object, float] = {}
         """Admission streams Envoy waits on -> since when: the stream's start, then its body's
@@ -177,7 +184,14 @@ class OverloadDetector:
             log.info("caught up: shedding stopped")
             self._last_over = None
             self.reason = None
-        self.shed_set = frozenset(self._over_share()) if self.reason is not None else frozenset()
+        if self.reason is None:
+            self.shed_set = frozenset()
+        elif not self.shed_set:  # the episode's first sample, or nobody was over until now
+            self.shed_set = frozenset(self._over_share())
+        else:
+            joining = self._over_share() & self._queued()
+            if not joining <= self.shed_set:
+                self.shed_set = self.shed_set | joining
         return self.reason is not None
 
     def sheds(self, tenant: str) -> bool:

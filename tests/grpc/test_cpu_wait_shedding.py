@@ -4,9 +4,8 @@ share is shed with 429 + Retry-After, queued and new, while the light tenant is 
 
 from __future__ import annotations
 
+import contextlib
 import os
-import subprocess
-import sys
 from collections.abc import AsyncIterator, Callable, Iterator
 
 import pytest
@@ -25,13 +24,13 @@ from tests.grpc.test_overload_shedding import (
     until,
 )
 from tests.grpc_support import served_stub
+from tests.spinners import spinners
 
 CPU_WAIT_POLICY = POLICY.replace(
     "overload: {lag_threshold_ms: 30, interval_ms: 10, recover_ms: 300}",
     "overload: {lag_threshold_ms: 60000, interval_ms: 10, recover_ms: 300,\n"
     "             cpu_wait_fraction: 0.3}",
 )
-SPIN = "import time\nend = time.monotonic() + 60\nwhile time.monotonic() < end: pass\n"
 
 
 @pytest.fixture
@@ -48,23 +47,15 @@ def crowded_cpu() -> Iterator[Callable[[], None]]:
     """Calling it pins this thread (the event loop's) to one CPU and starts two busy processes
     there; both undone at the end."""
     allowed = os.sched_getaffinity(0)
-    spinners: list[subprocess.Popen[bytes]] = []
+    with contextlib.ExitStack() as stack:
 
-    def crowd() -> None:
-        cpu = min(allowed)
-        os.sched_setaffinity(0, {cpu})  # 0: the calling thread only
-        for _ in range(2):
-            spinner = subprocess.Popen([sys.executable, "-c", SPIN])
-            spinners.append(spinner)
-            os.sched_setaffinity(spinner.pid, {cpu})
+        def crowd() -> None:
+            cpu = min(allowed)
+            os.sched_setaffinity(0, {cpu})  # 0: the calling thread only
+            stack.callback(os.sched_setaffinity, 0, allowed)
+            stack.enter_context(spinners(2, cpu=cpu))
 
-    try:
         yield crowd
-    finally:
-        for spinner in spinners:
-            spinner.kill()
-            spinner.wait(timeout=10)
-        os.sched_setaffinity(0, allowed)
 
 
 async def test_waiting_for_a_cpu_sheds_the_heavy_tenant_and_admits_the_light_one(

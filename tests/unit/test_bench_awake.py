@@ -4,16 +4,13 @@ priority, out of the way of any other process, and gone after the block."""
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 import time
 
 import pytest
 
 from gateway_lab.bench import awake, lowload
 from gateway_lab.bench.host_trace import read_schedstat
-
-SPIN = "import time\nend = time.monotonic() + 30\nwhile time.monotonic() < end: pass\n"
+from tests.spinners import spinners
 
 
 def wait_until_idle_policy(pid: int) -> None:
@@ -28,20 +25,15 @@ def test_a_spinner_gives_its_cpu_to_any_other_process() -> None:
     with awake.kept_awake({cpu}) as (spinner,):
         wait_until_idle_policy(spinner)
         assert os.sched_getaffinity(spinner) == {cpu}
-        busy = subprocess.Popen([sys.executable, "-c", SPIN])
-        try:
-            os.sched_setaffinity(busy.pid, {cpu})
+        with spinners(1, cpu=cpu) as (busy,):
             spun_before, _ = read_schedstat(spinner)
-            ran_before, _ = read_schedstat(busy.pid)
+            ran_before, _ = read_schedstat(busy)
             deadline = time.monotonic() + 10.0
-            while read_schedstat(busy.pid)[0] - ran_before < 500.0:
+            while read_schedstat(busy)[0] - ran_before < 500.0:
                 assert time.monotonic() < deadline, "the busy process did not get its CPU"
                 time.sleep(0.05)
-            ran = read_schedstat(busy.pid)[0] - ran_before
+            ran = read_schedstat(busy)[0] - ran_before
             spun = read_schedstat(spinner)[0] - spun_before
-        finally:
-            busy.kill()
-            busy.wait(timeout=10)
     # SCHED_IDLE's weight is 3 against a normal task's 1024.
     assert spun < 0.05 * ran, f"the spinner took {spun:.0f} ms beside {ran:.0f} ms"
     with pytest.raises(ProcessLookupError):

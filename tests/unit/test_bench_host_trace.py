@@ -14,9 +14,9 @@ import pytest
 
 from gateway_lab.bench import host_trace
 from gateway_lab.bench.host_trace import HostSampler, Sample, around, slow_requests, timeline
+from tests.spinners import SPIN, spinners
 
 TICK_MS = 1000.0 / os.sysconf("SC_CLK_TCK")
-SPIN = "import time\nend = time.monotonic() + 30\nwhile time.monotonic() < end: pass\n"
 
 
 def test_cpu_states_are_read_per_cpu_in_ms() -> None:
@@ -35,16 +35,8 @@ def test_cpu_states_are_read_per_cpu_in_ms() -> None:
 @pytest.fixture
 def two_spinners_on_one_cpu() -> Iterator[list[int]]:
     """Two busy processes sharing one CPU: each is runnable while the other runs."""
-    cpu = min(os.sched_getaffinity(0))
-    spinners = [subprocess.Popen([sys.executable, "-c", SPIN]) for _ in range(2)]
-    try:
-        for spinner in spinners:
-            os.sched_setaffinity(spinner.pid, {cpu})
-        yield [s.pid for s in spinners]
-    finally:
-        for spinner in spinners:
-            spinner.kill()
-            spinner.wait(timeout=10)
+    with spinners(2, cpu=min(os.sched_getaffinity(0))) as pids:
+        yield pids
 
 
 def test_a_process_sharing_its_cpu_shows_time_waiting_to_run(

@@ -4,8 +4,6 @@ detector's use of it."""
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -16,8 +14,7 @@ from extproc.policy import PolicyError, policy_from_text
 from extproc.policy.model import Gateway as GatewaySettings
 from extproc.service.cpu_wait import CpuWait, schedstat_path
 from extproc.service.overload import OverloadDetector
-
-SPIN = "import time\nend = time.monotonic() + 30\nwhile time.monotonic() < end: pass\n"
+from tests.spinners import spinners
 
 
 class Clock:
@@ -58,17 +55,8 @@ def test_no_counter_no_signal(tmp_path: Path) -> None:
 @pytest.fixture
 def thread_on_a_crowded_cpu() -> Iterator[Path]:
     """A spinner's schedstat, with a second spinner on the same CPU."""
-    cpu = min(os.sched_getaffinity(0))
-    spinners = [subprocess.Popen([sys.executable, "-c", SPIN]) for _ in range(2)]
-    try:
-        for spinner in spinners:
-            os.sched_setaffinity(spinner.pid, {cpu})
-        first = spinners[0].pid
+    with spinners(2, cpu=min(os.sched_getaffinity(0))) as (first, _second):
         yield schedstat_path(first, first)
-    finally:
-        for spinner in spinners:
-            spinner.kill()
-            spinner.wait(timeout=10)
 
 
 def test_a_thread_sharing_its_cpu_waits_about_half_the_time(

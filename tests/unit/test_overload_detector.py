@@ -104,3 +104,32 @@ def test_policy_keys_are_strict_and_the_default_is_on() -> None:
         policy_from_text(text, "p.yaml")
     off = policy_yaml(extra="gateway:\n  overload: {enabled: false}\n")
     assert not policy_from_text(off).source.gateway.overload.enabled
+
+
+def test_the_tenants_over_at_the_start_stay_shed_and_a_light_one_never_joins() -> None:
+    over = [{"flood"}]
+    queued: list[set[str]] = [{"flood"}]
+    clock = Clock()
+    settings = Gateway(message_timeout=2.0, overload=Overload(lag_threshold_ms=50))
+    found = OverloadDetector(settings, lambda: over[0], clock, queued=lambda: queued[0])
+    found.observe(0.2)
+    clock.now += 0.02
+    assert found.observe(0.2) and found.shed_set == {"flood"}
+    # The flood's requests were shed and its in-flight ones ended: the quiet tenant's one
+    # request is now most of the pool's work, over its share by the rule, with nothing queued.
+    over[0], queued[0] = {"quiet"}, set()
+    clock.now += 0.02
+    assert found.observe(0.2)
+    assert found.shed_set == {"flood"} and not found.sheds("quiet")
+    # A tenant over its share with requests queued joins during the episode.
+    over[0], queued[0] = {"quiet", "batch"}, {"batch"}
+    clock.now += 0.02
+    assert found.observe(0.2)
+    assert found.shed_set == {"flood", "batch"}
+    # Once the episode is over, the next one starts from the rule again.
+    clock.now += 2.0
+    assert not found.observe(0.0) and found.shed_set == frozenset()
+    over[0] = {"quiet"}
+    found.observe(0.2)
+    clock.now += 0.02
+    assert found.observe(0.2) and found.shed_set == {"quiet"}

@@ -105,3 +105,24 @@ def test_shed_retry_after_follows_the_shed_rule() -> None:
     sched, _clock = scheduler(policy)
     # No drain rate measured yet: the rule's smallest answer.
     assert sched.shed_retry_after(ticket("flood")) == 1
+
+
+def test_once_the_heavy_tenants_work_drains_the_light_one_reads_over_and_is_not_queued() -> None:
+    # Why the overload detector keeps an episode's shed set: the rule alone turns on the
+    # light tenant once most of the shed tenant's requests have ended.
+    policy = make_policy(TWO, pools={"p": {"max_inflight": 8, "max_inflight_tokens": 100_000}})
+    sched, _clock = scheduler(policy)
+    for _ in range(4):
+        submit_ok(sched, ticket("flood", input_tokens=14, max_output=64))
+    submit_ok(sched, ticket("quiet", input_tokens=15, max_output=64))
+    admitted = admit_all(sched)
+    for _ in range(6):
+        submit_ok(sched, ticket("flood", input_tokens=14, max_output=64))
+    assert sched.over_share() == {"flood"}
+    assert sched.tenants_with_queued() == {"flood"}
+    assert [r.tenant for r in sched.shed_queued_of({"flood"}, "shed")] == ["flood"] * 6
+    flood = [a for a in admitted if a.lease.tenant == "flood"]
+    for admission in flood[1:]:  # one of its requests is still streaming
+        sched.release(admission.lease.lease_id)
+    assert "quiet" in sched.over_share()  # 79 of 157 tokens in flight: over half
+    assert sched.tenants_with_queued() == set()
