@@ -16,9 +16,9 @@ import contextlib
 import os
 import subprocess
 import sys
-from collections.abc import Collection, Iterator
+from collections.abc import Collection, Iterator, Sequence
 
-__all__ = ["SPINNER", "kept_awake"]
+__all__ = ["SPINNER", "kept_awake", "pinned_processes"]
 
 SPINNER = (
     "import os\nos.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))\nwhile True:\n    pass\n"
@@ -27,16 +27,22 @@ SPINNER = (
 
 
 @contextlib.contextmanager
-def kept_awake(cpus: Collection[int]) -> Iterator[list[int]]:
-    """One SCHED_IDLE spinner pinned to each of `cpus` while the block runs; their pids."""
-    spinners: list[subprocess.Popen[bytes]] = []
+def pinned_processes(program: str, cpus: Sequence[int]) -> Iterator[list[int]]:
+    """One `python -c program` per entry of `cpus`, pinned to that CPU, while the block
+    runs (killed at its end); their pids."""
+    started: list[subprocess.Popen[bytes]] = []
     try:
-        for cpu in sorted(cpus):
-            spinner = subprocess.Popen([sys.executable, "-c", SPINNER])
-            spinners.append(spinner)
-            os.sched_setaffinity(spinner.pid, {cpu})
-        yield [s.pid for s in spinners]
+        for cpu in cpus:
+            process = subprocess.Popen([sys.executable, "-c", program])
+            started.append(process)
+            os.sched_setaffinity(process.pid, {cpu})
+        yield [p.pid for p in started]
     finally:
-        for spinner in spinners:
-            spinner.kill()
-            spinner.wait(timeout=10)
+        for process in started:
+            process.kill()
+            process.wait(timeout=10)
+
+
+def kept_awake(cpus: Collection[int]) -> contextlib.AbstractContextManager[list[int]]:
+    """One SCHED_IDLE spinner pinned to each of `cpus` while the block runs; their pids."""
+    return pinned_processes(SPINNER, sorted(cpus))

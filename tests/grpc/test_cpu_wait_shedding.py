@@ -20,6 +20,7 @@ from tests.grpc.test_overload_shedding import (
     POLICY,
     assert_shed,
     body_reply,
+    fill_the_soft_limit,
     start_request,
     until,
 )
@@ -65,13 +66,7 @@ async def test_waiting_for_a_cpu_sheds_the_heavy_tenant_and_admits_the_light_one
     monkeypatch.setattr(request_record, "ATTACH_GRACE_S", 300.0)  # see test_overload_shedding
     peers: list[EnvoyPeer] = []
     try:
-        for tenant in ("globex", "initech", "initech", "initech"):
-            peer = await start_request(stub, tenant)
-            peers.append(peer)
-            assert (await body_reply(peer)).WhichOneof("response") == "request_body"
-        queued = await start_request(stub, "initech")
-        peers.append(queued)
-        assert (await body_reply(queued)).HasField("override_message_timeout")
+        (queued,) = await fill_the_soft_limit(stub, peers, queue=1)
         assert gateway.overload.reason is None
 
         crowded_cpu()

@@ -92,6 +92,25 @@ async def body_reply(peer: EnvoyPeer) -> ProcessingResponse:
     return await peer.send(body_message(chat_body("hello", 16)))
 
 
+async def fill_the_soft_limit(
+    stub: ext_proc_grpc.ExternalProcessorStub, peers: list[EnvoyPeer], queue: int
+) -> list[EnvoyPeer]:
+    """globex 1 and initech 3 in flight fill the soft limit (4 of 6); initech queues `queue`
+    more, whose streams are returned. Every stream opened goes to `peers` (closed by the
+    caller)."""
+    for tenant in ("globex", "initech", "initech", "initech"):
+        peer = await start_request(stub, tenant)
+        peers.append(peer)
+        assert (await body_reply(peer)).WhichOneof("response") == "request_body"
+    queued = []
+    for _ in range(queue):
+        peer = await start_request(stub, "initech")
+        peers.append(peer)
+        assert (await body_reply(peer)).HasField("override_message_timeout")
+        queued.append(peer)
+    return queued
+
+
 def assert_shed(reply: ProcessingResponse) -> None:
     assert reply.WhichOneof("response") == "immediate_response"
     answer = reply.immediate_response
@@ -120,17 +139,7 @@ async def test_lagging_loop_sheds_the_heavy_tenant_and_admits_the_light_one(
     monkeypatch.setattr(request_record, "ATTACH_GRACE_S", 300.0)
     peers: list[EnvoyPeer] = []
     try:
-        # globex 1 and initech 3 in flight fill the soft limit (4 of 6); initech queues 2 more.
-        for tenant in ("globex", "initech", "initech", "initech"):
-            peer = await start_request(stub, tenant)
-            peers.append(peer)
-            assert (await body_reply(peer)).WhichOneof("response") == "request_body"
-        queued = []
-        for _ in range(2):
-            peer = await start_request(stub, "initech")
-            peers.append(peer)
-            assert (await body_reply(peer)).HasField("override_message_timeout")
-            queued.append(peer)
+        queued = await fill_the_soft_limit(stub, peers, queue=2)
         assert gateway.scheduler.queued() == 2
         assert gateway.overload.reason is None
 
