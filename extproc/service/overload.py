@@ -2,7 +2,7 @@
 
 Under CPU saturation an asyncio service answers every message late, and Envoy turns an answer
 later than its `message_timeout` into an empty 504 for whoever sent it, light tenant or heavy.
-Two cheap signals say the service is falling behind (`gateway.overload` in the policy):
+Cheap signals say the service is falling behind (`gateway.overload` in the policy):
 
 * event-loop lag: a monitor timer fires every `interval_ms` and measures how late it runs. Every
   message Envoy sends waits behind the same ready queue, so the lag is what each answer pays.
@@ -14,8 +14,7 @@ Two cheap signals say the service is falling behind (`gateway.overload` in the p
   `gateway.message_timeout`. So is the age a request's first message already had when it
   reached the handler (Envoy's `request.time` against ours, over the smallest such delay seen:
   extproc.service.arrival), which counts the time a new stream waited before the servicer was
-  handed it, where the other two signals see nothing.
-
+  handed it, where the other two signals see nothing;
 * CPU wait (`cpu_wait_fraction`, off unless set): the share of the last half second the
   event loop's thread was ready to run but had no CPU (extproc.service.cpu_wait). The loop
   can be on time by the lag's measure and still answer every message late, a few ms at a
@@ -87,7 +86,8 @@ class OverloadDetector:
         self.cpu_wait: float | None = None
         """The event loop thread's latest share of time waiting for a CPU (None: unknown)."""
         self.shed_set: frozenset[str] = frozenset()
-        """The tenants shed while `reason` is set (over their share at the last sample)."""
+        """The tenants shed while `reason` is set: those over their share when the episode
+        began, and those over it with requests queued since."""
         self.wake: Callable[[], None] | None = None
         """Set by an idle monitor, called (once) by the next `activity`."""
         self._arrival = ArrivalDelay()
