@@ -18,7 +18,7 @@ from collections import deque
 from collections.abc import Callable
 from pathlib import Path
 
-__all__ = ["CpuWait", "schedstat_path"]
+__all__ = ["CpuWait", "read_schedstat", "schedstat_path"]
 
 
 def schedstat_path(pid: int | None = None, tid: int | None = None) -> Path:
@@ -26,6 +26,16 @@ def schedstat_path(pid: int | None = None, tid: int | None = None) -> Path:
     pid = os.getpid() if pid is None else pid
     tid = threading.get_native_id() if tid is None else tid
     return Path(f"/proc/{pid}/task/{tid}/schedstat")
+
+
+def read_schedstat(path: Path) -> tuple[int, int] | None:
+    """(ns on a CPU, ns runnable but waiting) from one schedstat file; None if it cannot be
+    read (the thread ended, or the kernel keeps no schedstats)."""
+    try:
+        fields = path.read_bytes().split()
+        return int(fields[0]), int(fields[1])
+    except (OSError, IndexError, ValueError):
+        return None
 
 
 class CpuWait:
@@ -45,11 +55,8 @@ class CpuWait:
         self.available = self._waited_s() is not None
 
     def _waited_s(self) -> float | None:
-        try:
-            fields = self._path.read_bytes().split()
-            return int(fields[1]) / 1e9
-        except (OSError, IndexError, ValueError):
-            return None
+        reading = read_schedstat(self._path)
+        return None if reading is None else reading[1] / 1e9
 
     def sample(self) -> float | None:
         """The share (0..1) of the time since the oldest reading still in the window that the

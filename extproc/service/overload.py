@@ -189,9 +189,7 @@ class OverloadDetector:
         elif not self.shed_set:  # the episode's first sample, or nobody was over until now
             self.shed_set = frozenset(self._over_share())
         else:
-            joining = self._over_share() & self._queued()
-            if not joining <= self.shed_set:
-                self.shed_set = self.shed_set | joining
+            self.shed_set = self.shed_set | (self._over_share() & self._queued())
         return self.reason is not None
 
     def sheds(self, tenant: str) -> bool:

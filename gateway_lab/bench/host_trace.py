@@ -26,6 +26,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
+from extproc.service.cpu_wait import read_schedstat as read_thread_schedstat
 from gateway_lab.bench.cores import descendants
 
 __all__ = ["HostSampler", "Sample", "around", "print_slow", "slow_requests", "timeline"]
@@ -58,16 +59,16 @@ def read_cpus(text: str) -> dict[str, dict[str, float]]:
     return out
 
 
-def read_schedstat(pid: int) -> tuple[float, float]:
+def process_schedstat(pid: int) -> tuple[float, float]:
     """[ms on a CPU, ms runnable but waiting] summed over the process's threads (0, 0 once it
     is gone; a thread that ended between samples takes its share with it)."""
     run_ns = wait_ns = 0
     with contextlib.suppress(FileNotFoundError, ProcessLookupError):
         for task in Path(f"/proc/{pid}/task").iterdir():
-            with contextlib.suppress(FileNotFoundError, ProcessLookupError, ValueError):
-                on_cpu, waiting, _slices = (task / "schedstat").read_text().split()
-                run_ns += int(on_cpu)
-                wait_ns += int(waiting)
+            reading = read_thread_schedstat(task / "schedstat")
+            if reading is not None:
+                run_ns += reading[0]
+                wait_ns += reading[1]
     return run_ns / 1e6, wait_ns / 1e6
 
 
@@ -98,7 +99,7 @@ class HostSampler:
 
     def sample(self, labels: Mapping[str, int]) -> Sample:
         cpus = read_cpus(Path("/proc/stat").read_text())
-        procs = {label: read_schedstat(pid) for label, pid in labels.items()}
+        procs = {label: process_schedstat(pid) for label, pid in labels.items()}
         return Sample(time.time(), cpus, procs)
 
     def __enter__(self) -> HostSampler:

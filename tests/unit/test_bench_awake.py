@@ -9,7 +9,7 @@ import time
 import pytest
 
 from gateway_lab.bench import awake, lowload
-from gateway_lab.bench.host_trace import read_schedstat
+from gateway_lab.bench.host_trace import process_schedstat
 from tests.spinners import spinners
 
 
@@ -26,14 +26,14 @@ def test_a_spinner_gives_its_cpu_to_any_other_process() -> None:
         wait_until_idle_policy(spinner)
         assert os.sched_getaffinity(spinner) == {cpu}
         with spinners(1, cpu=cpu) as (busy,):
-            spun_before, _ = read_schedstat(spinner)
-            ran_before, _ = read_schedstat(busy)
+            spun_before, _ = process_schedstat(spinner)
+            ran_before, _ = process_schedstat(busy)
             deadline = time.monotonic() + 10.0
-            while read_schedstat(busy)[0] - ran_before < 500.0:
+            while process_schedstat(busy)[0] - ran_before < 500.0:
                 assert time.monotonic() < deadline, "the busy process did not get its CPU"
                 time.sleep(0.05)
-            ran = read_schedstat(busy)[0] - ran_before
-            spun = read_schedstat(spinner)[0] - spun_before
+            ran = process_schedstat(busy)[0] - ran_before
+            spun = process_schedstat(spinner)[0] - spun_before
     # SCHED_IDLE's weight is 3 against a normal task's 1024.
     assert spun < 0.05 * ran, f"the spinner took {spun:.0f} ms beside {ran:.0f} ms"
     with pytest.raises(ProcessLookupError):

@@ -43,10 +43,10 @@ def test_a_process_sharing_its_cpu_shows_time_waiting_to_run(
     two_spinners_on_one_cpu: list[int],
 ) -> None:
     first = two_spinners_on_one_cpu[0]
-    ran_before, waited_before = host_trace.read_schedstat(first)
+    ran_before, waited_before = host_trace.process_schedstat(first)
     began = time.monotonic()
     while time.monotonic() - began < 1.0:
-        ran, waited = host_trace.read_schedstat(first)
+        ran, waited = host_trace.process_schedstat(first)
         if waited - waited_before > 200.0:
             break
         time.sleep(0.05)
@@ -57,7 +57,7 @@ def test_a_process_sharing_its_cpu_shows_time_waiting_to_run(
 def test_a_gone_process_reads_as_nothing() -> None:
     done = subprocess.Popen([sys.executable, "-c", "pass"])
     done.wait(timeout=30)
-    assert host_trace.read_schedstat(done.pid) == (0.0, 0.0)
+    assert host_trace.process_schedstat(done.pid) == (0.0, 0.0)
 
 
 def sample(at: float, steal_ms: float, idle_ms: float, ran_ms: float, waited_ms: float) -> Sample:
