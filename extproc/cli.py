@@ -23,6 +23,7 @@ def _policy_check(args: argparse.Namespace) -> int:
         capacity_warnings,
         describe_endpoints,
         describe_isolation,
+        describe_overload,
         describe_pools,
     )
     from extproc.policy.limits import describe_limits, limit_warnings
@@ -42,6 +43,7 @@ def _policy_check(args: argparse.Namespace) -> int:
             *describe_limits(policy.source),
             *describe_isolation(policy.source),
             *describe_endpoints(policy.source),
+            *describe_overload(policy.source),
         ]:
             print(f"  {line}")
         for warning in [*capacity_warnings(policy.source), *limit_warnings(policy.source)]:

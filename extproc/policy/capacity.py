@@ -123,6 +123,25 @@ def describe_isolation(source: PolicyFile) -> list[str]:
     return lines
 
 
+def describe_overload(source: PolicyFile) -> list[str]:
+    """The line on when the service sheds because it falls behind (extproc.service.overload)."""
+    gateway = source.gateway
+    overload = gateway.overload
+    if not overload.enabled:
+        return ["overload shedding off (set)"]
+    age_s = overload.message_age_fraction * gateway.message_timeout
+    cpu = (
+        "off (default)"
+        if overload.cpu_wait_fraction is None
+        else f"over {overload.cpu_wait_fraction:.0%} of the time"
+    )
+    return [
+        f"overload: the tenants above their fair share are shed while the event loop lags over "
+        f"{overload.lag_threshold_ms:g} ms, a message Envoy waits on is older than {age_s:g} s, "
+        f"or the loop's thread waits for a CPU {cpu}"
+    ]
+
+
 def _objectives(delta: LatencyDelta) -> str:
     """`first_token 150 ms, every_token 150 ms`: the watched kinds of token."""
     kinds = (

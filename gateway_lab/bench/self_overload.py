@@ -434,7 +434,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "kvwarden` meets issue 15's target)",
     )  # fmt: skip
     parser.add_argument(
-        "--cpu-waits", default="0.1,0.25",
+        "--cpu-waits", default="0.15",
         help="`gateway.overload.cpu_wait_fraction` of the room-cpu-F and over-cpu-F arms "
         "(default %(default)s)",
     )  # fmt: skip

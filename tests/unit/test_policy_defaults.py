@@ -229,5 +229,8 @@ def test_cli_check_prints_the_capacity_and_warns_on_stderr(tmp_path: Path) -> No
         "  completions (/v1/completions): pool p",
         "  embeddings (/v1/embeddings): no pool: answered 404",
         "  rerank (/v1/rerank, /v1/score): no pool: answered 404",
+        "  overload: the tenants above their fair share are shed while the event loop lags "
+        "over 100 ms, a message Envoy waits on is older than 2.5 s, or the loop's thread "
+        "waits for a CPU off (default)",
     ]
     assert result.stderr.startswith(f"{file}: pools.p.headroom: warning: headroom 0 with")
