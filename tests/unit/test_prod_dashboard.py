@@ -109,6 +109,10 @@ def test_dashboard_covers_what_operators_need() -> None:
         "extproc_requests_total",  # rejections by reason (outcome label)
         "extproc_pool_inflight_requests",  # pool utilisation
         "extproc_pool_max_inflight_requests",
+        "extproc_shed_total",  # the service falling behind: what it shed, why
+        "extproc_event_loop_lag_seconds",
+        "extproc_overload_shedding",
+        "extproc_event_loop_cpu_wait_ratio",
     ):
         assert needed in used, needed
     rejections = [q for q in queries(dashboard()) if "outcome" in q and "extproc_requests" in q]
