@@ -196,6 +196,21 @@ class OverloadDetector:
         """Is a new request of this tenant shed now?"""
         return self.reason is not None and tenant in self.shed_set
 
+    def describe(self) -> dict[str, object]:
+        """The state for the status page: whether it sheds, why and whom, the latest readings
+        and the thresholds they are held against."""
+        settings = self.settings
+        return {
+            "enabled": settings.enabled,
+            "shedding": self.reason is not None,
+            "reason": self.reason,
+            "shed_tenants": sorted(self.shed_set),
+            "lag_ms": round(self.lag_s * 1000.0, 1),
+            "cpu_wait": None if self.cpu_wait is None else round(self.cpu_wait, 3),
+            "lag_threshold_ms": settings.lag_threshold_ms,
+            "cpu_wait_fraction": settings.cpu_wait_fraction,
+        }
+
 
 class LagMonitor:
     """The asyncio side: samples the event-loop lag every `interval_ms` (a loop timer, no task)

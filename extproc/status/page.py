@@ -104,6 +104,7 @@ class StatusRoutes:
             reloader=self.reloader(),
             engines=engines,
             rejections=gateway.recent_rejections(),
+            overload=gateway.overload.describe(),
             draining=self.draining(),
         )
         return json_response(body)

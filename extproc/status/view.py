@@ -19,7 +19,7 @@ from extproc.metrics import Metrics
 from extproc.policy import Policy
 from extproc.reload import PolicyReloader
 from extproc.status.engines import EngineReader
-from extproc.status.history import REJECTIONS, Reading, Readings
+from extproc.status.history import REJECTIONS, Reading, Readings, rejection_reason
 from extproc.status.readings import Percentiles, subtract_buckets
 
 REMOVED_TIER = "(removed)"
@@ -59,10 +59,13 @@ class StatusView:
         reloader: PolicyReloader | None = None,
         engines: EngineReader | None = None,
         rejections: Sequence[Mapping[str, Any]] = (),
+        overload: Mapping[str, Any] | None = None,
         draining: bool = False,
     ) -> dict[str, Any]:
         """`rejections`: the service's last answers it gave itself, newest first
-        (`Gateway.recent_rejections`); each is shown with how the page names its reason."""
+        (`Gateway.recent_rejections`); each is shown with how the page names its reason.
+        `overload`: whether the service sheds because it falls behind
+        (`OverloadDetector.describe`), shown as it is."""
         now, wall = self.now(), self.wall()
         reading = Reading.of(metrics, now)
         rates_from = self.readings.baseline(now, self.rate_window_s)
@@ -74,6 +77,7 @@ class StatusView:
         return {
             "generated_at": wall,
             "draining": draining,
+            "overload": overload,
             "queued": snapshot.get("queued", 0),
             "inflight": snapshot.get("leases", 0),
             "policy": policy_view(policy, metrics, reloader, fairness),
@@ -86,7 +90,7 @@ class StatusView:
                 self._pool(name, pool, policy, engines) for name, pool in sorted(pools.items())
             ],
             "rejections": [
-                {**entry, "reason": REJECTIONS.get(entry["outcome"], entry["outcome"])}
+                {**entry, "reason": rejection_reason(entry["outcome"], entry.get("status"))}
                 for entry in rejections
             ],
         }

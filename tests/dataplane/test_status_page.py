@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import os
+import re
 import shutil
 import time
 from collections.abc import Callable, Iterator
@@ -162,6 +163,10 @@ async def test_the_numbers_move_with_traffic_and_a_flood(
     )
     assert page.text('tr[data-tier="premium"]') == "premium"
     assert page.text('[data-field="fairness"]') == "drr"
+    overload = page.text('[data-field="overload"]') or ""
+    # No CPU-wait reading: this policy leaves `cpu_wait_fraction` out.
+    shown = r"(keeping up|shedding \(\w+\)[\w ,-]*) \(loop lag [\d.]+ m?s\)"
+    assert re.fullmatch(shown, overload), overload
 
     timeout = aiohttp.ClientTimeout(total=60)
     async with aiohttp.ClientSession(timeout=timeout) as session:

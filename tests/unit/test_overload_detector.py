@@ -133,3 +133,22 @@ def test_the_tenants_over_at_the_start_stay_shed_and_a_light_one_never_joins() -
     found.observe(0.2)
     clock.now += 0.02
     assert found.observe(0.2) and found.shed_set == {"quiet"}
+
+
+def test_describe_shows_whom_it_sheds_why_and_the_readings() -> None:
+    found, clock = detector(lag_threshold_ms=50, cpu_wait_fraction=0.2)
+    found.observe(0.004, 0.05)
+    assert found.describe() == {
+        "enabled": True, "shedding": False, "reason": None, "shed_tenants": [],
+        "lag_ms": 4.0, "cpu_wait": 0.05, "lag_threshold_ms": 50.0, "cpu_wait_fraction": 0.2,
+    }  # fmt: skip
+    clock.now += 0.02
+    found.observe(0.004, 0.3)
+    shown = found.describe()
+    assert (shown["shedding"], shown["reason"], shown["shed_tenants"]) == (
+        True, "cpu_wait", ["flood"],
+    )  # fmt: skip
+    assert shown["cpu_wait"] == 0.3
+    off, _clock = detector(enabled=False)
+    off.observe(0.5)
+    assert off.describe()["enabled"] is False and off.describe()["shedding"] is False

@@ -189,14 +189,34 @@ def test_rejections_are_the_services_own_records_with_their_reason(gateway: Gate
             "outcome": "unauthorized", "status": 401, "retry_after_s": None,
             "code": "invalid_api_key", "message": "invalid API key",
         },
+        {
+            "at": 1.7e9, "tenant": "globex", "tier": "standard", "pool": "short",
+            "outcome": "shed", "status": 429, "retry_after_s": 2, "code": "shed",
+            "message": "the gateway is overloaded and tenant 'globex' is above its fair share",
+        },
+        {
+            "at": 1.7e9 - 1, "tenant": "acme", "tier": "premium", "pool": "short",
+            "outcome": "shed", "status": 503, "retry_after_s": 4, "code": "shed",
+            "message": "the request's deadline passed while queued",
+        },
     ]  # fmt: skip
     gateway.metrics.requests_of("globex", "standard", "short", "rejected_queue_full").inc(2)
     status = build(view, gateway, rejections=ring)
     assert status["rejections"] == [
         {**ring[0], "reason": "rate limit"},
         {**ring[1], "reason": "unknown API key"},
+        {**ring[2], "reason": "shed: the gateway is overloaded and this tenant is above its share"},
+        {**ring[3], "reason": "shed: cannot start before its deadline"},
     ]
     assert tenant(status, "globex")["rejected"] == 2  # the tenant rows still count them
+
+
+def test_the_overload_state_is_shown_as_the_service_gives_it(gateway: Gateway) -> None:
+    view = make_view(FakeClock())
+    assert build(view, gateway)["overload"] is None
+    shown = gateway.overload.describe()
+    assert build(view, gateway, overload=shown)["overload"] == shown
+    assert shown["shedding"] is False and shown["shed_tenants"] == []
 
 
 def test_inter_token_percentiles_cover_the_latency_window_only(gateway: Gateway) -> None:

@@ -74,8 +74,18 @@ function renderSummary(status) {
     summaryItem("tenants", num(policy.tenants), "tenant-count"),
     summaryItem("last reload", reload, "last-reload"),
   ];
+  if (status.overload) parts.push(summaryItem("overload", overloadText(status.overload), "overload"));
   if (status.draining) parts.push(summaryItem("state", el("span", { class: "badge bad" }, "draining"), "draining"));
   document.getElementById("summary").replaceChildren(...parts);
+}
+
+function overloadText(o) {
+  if (!o.enabled) return "shedding off";
+  const wait = o.cpu_wait === null ? "" : ` · CPU wait ${Math.round(100 * o.cpu_wait)}%`;
+  const readings = ` (loop lag ${ms(o.lag_ms)}${wait})`;
+  if (!o.shedding) return el("span", {}, el("span", { class: "badge ok" }, "keeping up"), readings);
+  const whom = o.shed_tenants.length ? ` ${o.shed_tenants.join(", ")}` : "";
+  return el("span", {}, el("span", { class: "badge bad" }, `shedding (${o.reason})`), whom, readings);
 }
 
 function outcomesText(outcomes) {
