@@ -143,6 +143,16 @@ def test_kustomization_lists_existing_files() -> None:
         assert (DEPLOY / "kubernetes" / resource).exists(), resource
 
 
+def test_policy_configmap_is_the_shipped_policy() -> None:
+    """The ConfigMap says it is policies/default.yaml: the same policy (comments aside)."""
+    configmap = find("kubernetes", "ConfigMap", "extproc-policy")
+    (key,) = configmap["data"]
+    shipped = DEPLOY.parent / "policies" / "default.yaml"
+    assert parse_policy(configmap["data"][key], key) == parse_policy(
+        shipped.read_text(), str(shipped)
+    )
+
+
 def test_policy_configmap_is_a_valid_policy_mounted_as_a_folder() -> None:
     configmap = find("kubernetes", "ConfigMap", "extproc-policy")
     (key,) = configmap["data"]
