@@ -10,12 +10,13 @@ from pathlib import Path
 
 import pytest
 
-import extproc.defaults
+from extproc.defaults import default_policy_path
 from extproc.policy import PolicyError, load_policy, policy_from_text
 from extproc.policy.capacity import describe_overload
 from extproc.policy.model import Gateway as GatewaySettings
 from extproc.service.cpu_wait import CpuWait, schedstat_path
 from extproc.service.overload import OverloadDetector
+from tests.conftest import policy_yaml
 from tests.spinners import spinners
 
 
@@ -115,29 +116,16 @@ def test_the_threshold_is_validated_with_its_place() -> None:
 
 
 def test_the_shipped_policy_turns_it_on_and_policy_check_says_so() -> None:
-    shipped = load_policy(Path(extproc.defaults.__file__).parent / "default.yaml").source
+    shipped = load_policy(default_policy_path()).source
     assert shipped.gateway.overload.cpu_wait_fraction == 0.15
     assert describe_overload(shipped) == [
         "overload: the tenants above their fair share are shed while the event loop lags over "
         "100 ms, a message Envoy waits on is older than 2.5 s, or the loop's thread waits for "
         "a CPU over 15% of the time"
     ]
-    plain = policy_from_text(minimal_policy("{message_timeout: 10s}")).source
+    plain = policy_from_text(policy_yaml(extra="gateway: {message_timeout: 10s}\n")).source
     assert describe_overload(plain)[0].endswith(
         "is older than 5 s, or the loop's thread waits for a CPU off (default)"
     )
-    off = policy_from_text(minimal_policy("{overload: {enabled: false}}")).source
+    off = policy_from_text(policy_yaml(extra="gateway: {overload: {enabled: false}}\n")).source
     assert describe_overload(off) == ["overload shedding off (set)"]
-
-
-def minimal_policy(gateway: str) -> str:
-    return f"""\
-version: 1
-tiers: [standard]
-tenants:
-  quiet: {{tier: standard}}
-pools:
-  p: {{max_total_tokens: 8192, max_inflight: 8, max_inflight_tokens: 100000,
-       endpoints: ["127.0.0.1:1"]}}
-gateway: {gateway}
-"""
