@@ -118,11 +118,11 @@ def overloaded(tenant: str, retry_after_s: int) -> GatewayError:
     """The service fell behind and sheds the tenants above their fair share first: the same
     answer as a queued request shed for it (extproc.scheduler.shares.shed_queued)."""
     return GatewayError(
-        Outcome.SHED,
+        Outcome.SHED_OVERLOAD,
         429,
         f"the gateway is overloaded and tenant {tenant!r} is above its fair share; "
         f"retry after {retry_after_s}s",
-        Outcome.SHED.value,
+        Outcome.SHED_OVERLOAD.value,
         retry_after_s=retry_after_s,
     )
 

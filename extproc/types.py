@@ -41,6 +41,10 @@ class Outcome(enum.StrEnum):
     REJECTED_QUEUE_FULL = "rejected_queue_full"
     EXPIRED = "expired"
     SHED = "shed"
+    """Refused because it cannot start before its deadline (503)."""
+    SHED_OVERLOAD = "shed_overload"
+    """Refused because the service fell behind and the tenant is above its share (429;
+    extproc.service.overload)."""
     CANCELLED = "cancelled"
     UNAUTHORIZED = "unauthorized"
     BAD_REQUEST = "bad_request"

@@ -108,5 +108,5 @@ def shed_queued(live: Live, tenants: set[str], now: float, message: str) -> list
             ticket = entry.ticket
             live.remove(entry, now, refund=True)
             retry = shed_retry_after(live, ticket, now)
-            out.append(reject(ticket, Outcome.SHED, 429, retry, message))
+            out.append(reject(ticket, Outcome.SHED_OVERLOAD, 429, retry, message))
     return out

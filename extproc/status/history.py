@@ -17,21 +17,14 @@ REJECTIONS = {
     Outcome.REJECTED_QUEUE_FULL.value: "queue full",
     Outcome.EXPIRED.value: "waited past its deadline",
     Outcome.SHED.value: "shed: cannot start before its deadline",
+    Outcome.SHED_OVERLOAD.value: (
+        "shed: the gateway is overloaded and this tenant is above its share"
+    ),
     Outcome.UNAUTHORIZED.value: "unknown API key",
     Outcome.BAD_REQUEST.value: "bad request",
     Outcome.UNAVAILABLE.value: "unavailable",
 }
 """Outcomes that are the gateway's refusals, with how the page names the reason."""
-
-OVERLOAD_SHED = "shed: the gateway is overloaded and this tenant is above its share"
-"""A `shed` answered 429 (extproc.service.overload); the deadline's are 503."""
-
-
-def rejection_reason(outcome: str, status: object) -> str:
-    """How the page names a refusal's reason."""
-    if outcome == Outcome.SHED.value and status == 429:
-        return OVERLOAD_SHED
-    return REJECTIONS.get(outcome, outcome)
 
 
 @dataclass(frozen=True)

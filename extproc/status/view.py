@@ -19,7 +19,7 @@ from extproc.metrics import Metrics
 from extproc.policy import Policy
 from extproc.reload import PolicyReloader
 from extproc.status.engines import EngineReader
-from extproc.status.history import REJECTIONS, Reading, Readings, rejection_reason
+from extproc.status.history import REJECTIONS, Reading, Readings
 from extproc.status.readings import Percentiles, subtract_buckets
 
 REMOVED_TIER = "(removed)"
@@ -90,7 +90,7 @@ class StatusView:
                 self._pool(name, pool, policy, engines) for name, pool in sorted(pools.items())
             ],
             "rejections": [
-                {**entry, "reason": rejection_reason(entry["outcome"], entry.get("status"))}
+                {**entry, "reason": REJECTIONS.get(entry["outcome"], entry["outcome"])}
                 for entry in rejections
             ],
         }

@@ -111,7 +111,7 @@ async def test_frozen_service_sheds_the_flooder_and_serves_the_light_tenant(
             assert status == 429, body
             assert int(headers["Retry-After"]) >= 1
             error = orjson.loads(body)["error"]
-            assert error["code"] == "shed" and error["type"] == "rate_limit_error"
+            assert error["code"] == "shed_overload" and error["type"] == "rate_limit_error"
             for _ in range(3):
                 status, _, body = await complete(session, gateway, "globex")
                 assert status == 200, body

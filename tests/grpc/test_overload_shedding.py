@@ -118,7 +118,7 @@ def assert_shed(reply: ProcessingResponse) -> None:
     headers = {h.header.key: h.header.raw_value.decode() for h in answer.headers.set_headers}
     assert int(headers["retry-after"]) >= 1
     error = orjson.loads(answer.body)["error"]
-    assert error["type"] == "rate_limit_error" and error["code"] == "shed"
+    assert error["type"] == "rate_limit_error" and error["code"] == "shed_overload"
     assert "overloaded" in error["message"]
 
 
@@ -127,6 +127,16 @@ def shed_count(gateway: Gateway) -> float:
         "extproc_shed_total", {"reason": "lag", "tier": "standard"}
     )
     return value or 0.0
+
+
+def requests_by_outcome(gateway: Gateway, tenant: str) -> dict[str, float]:
+    counts: dict[str, float] = {}
+    for family in gateway.metrics.registry.collect():
+        for sample in family.samples:
+            if sample.name == "extproc_requests_total" and sample.labels["tenant"] == tenant:
+                outcome = sample.labels["outcome"]
+                counts[outcome] = counts.get(outcome, 0.0) + sample.value
+    return counts
 
 
 async def test_lagging_loop_sheds_the_heavy_tenant_and_admits_the_light_one(
@@ -165,6 +175,9 @@ async def test_lagging_loop_sheds_the_heavy_tenant_and_admits_the_light_one(
             assert values["x-tenant-id"] == "globex"
             assert gateway.overload.reason == "lag"  # still shedding when globex got in
         assert shed_count(gateway) == 3
+        # Its own outcome, apart from the deadline's `shed` (503).
+        assert requests_by_outcome(gateway, "initech").get("shed_overload") == 3
+        assert "shed" not in requests_by_outcome(gateway, "initech")
         assert gateway.metrics.registry.get_sample_value("extproc_overload_shedding") == 1
 
         await until(lambda: gateway.overload.reason is None)

@@ -91,7 +91,7 @@ def test_shed_queued_of_answers_only_those_tenants_with_retry_after() -> None:
     rejections = sched.shed_queued_of({"flood"}, "shed for the test")
     assert sorted(r.request_id for r in rejections) == sorted(t.request_id for t in flood)
     for rejection in rejections:
-        assert rejection.outcome is Outcome.SHED
+        assert rejection.outcome is Outcome.SHED_OVERLOAD
         assert rejection.http_status == 429
         assert rejection.retry_after_s is not None and rejection.retry_after_s >= 1
         assert rejection.message == "shed for the test"

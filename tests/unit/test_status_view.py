@@ -191,7 +191,7 @@ def test_rejections_are_the_services_own_records_with_their_reason(gateway: Gate
         },
         {
             "at": 1.7e9, "tenant": "globex", "tier": "standard", "pool": "short",
-            "outcome": "shed", "status": 429, "retry_after_s": 2, "code": "shed",
+            "outcome": "shed_overload", "status": 429, "retry_after_s": 2, "code": "shed_overload",
             "message": "the gateway is overloaded and tenant 'globex' is above its fair share",
         },
         {
