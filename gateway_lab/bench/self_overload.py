@@ -79,6 +79,7 @@ from gateway_lab.bench.self_overload_arms import (
     lua_arms,
     paced_arms,
     policy_text,
+    slice_arms,
 )
 from gateway_lab.bench.self_overload_load import MODEL, Flood, Timing, Workload, maker
 from gateway_lab.bench.self_overload_report import (
@@ -117,6 +118,7 @@ def front(arm: Arm, workdir: Path, endpoint: str, kvwarden_venv: Path) -> Iterat
         accounting_process=arm.accounting_process,
         extproc_env=env,
         count_in_envoy=arm.count_in_envoy,
+        cpu_slice_us=arm.cpu_slice_us,
     ) as gateway:
         yield gateway
 
@@ -409,7 +411,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "each D of --tail-deltas (each also as ...-lua, counting in Envoy), room-paced-B and "
         "over-paced-B for each B of --prefill-budgets, room-cpu-F and over-cpu-F for each F "
         "of --cpu-waits (also as ...-lua); each arm with a "
-        "flood also as ...-apart, the flooder's client in a process of its own",
+        "flood also as ...-apart, the flooder's client in a process of its own; each arm "
+        "through our service also as ...-slice, the service and Envoy on a 100 us CPU slice",
     )
     parser.add_argument(
         "--first-token-deltas", default=",".join(DEFAULT_FIRST_TOKEN_DELTAS),
@@ -493,6 +496,7 @@ def main(args: argparse.Namespace) -> int:
         source = revisions.tree_of_rev(args.before, scenario.workdir_of(args) / "before-src")
         every = (*every, *before_arms(source, objectives))
     every = (*every, *apart_arms(every))
+    every = (*every, *slice_arms(every))
     if args.compiled_src:
         revisions.check_compiled(args.compiled_src)
         every = (*every, *compiled_arms(args.compiled_src))

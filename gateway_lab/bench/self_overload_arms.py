@@ -47,6 +47,9 @@ class Arm:
     cpu_wait: float | None = None
     """The policy's `gateway.overload.cpu_wait_fraction` (`over-cpu-F` arms): shed the
     backlogged tenants while the service's event loop waits for a CPU more than F of the time."""
+    cpu_slice_us: int = 0
+    """The service and Envoy ask for this CPU slice (`-slice` arms, gateway_lab.bench.cpu_slice); 0:
+    the kernel's."""
     flood_apart: bool = False
     """The flooder's client runs in a process of its own (`-apart` arms,
     gateway_lab.bench.self_overload_load): the quiet tenant's event loop reads only its own
@@ -117,6 +120,20 @@ def apart_arms(arms: Sequence[Arm]) -> tuple[Arm, ...]:
         replace(arm, name=f"{arm.name}-apart", flood_apart=True)
         for arm in arms
         if arm.load != "alone"
+    )
+
+
+SLICE_US = 100
+"""The `-slice` arms' CPU slice: the shortest the kernel grants."""
+
+
+def slice_arms(arms: Sequence[Arm]) -> tuple[Arm, ...]:
+    """`<name>-slice` for each of `arms` through our service: the same arm, the service and
+    Envoy on a `SLICE_US` CPU slice."""
+    return tuple(
+        replace(arm, name=f"{arm.name}-slice", cpu_slice_us=SLICE_US)
+        for arm in arms
+        if arm.front == "service"
     )
 
 

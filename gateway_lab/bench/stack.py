@@ -190,6 +190,7 @@ def gateway_stack(
     extproc_env: Mapping[str, str] | None = None,
     count_in_envoy: bool = False,
     workers: int = 1,
+    cpu_slice_us: int = 0,
 ) -> Iterator[Gateway]:
     """Envoy on fresh loopback ports, straight to the policy's endpoints (`straight`) or
     through `extproc serve` (`extproc`, in an environment of `extproc_env` if given) or the
@@ -199,7 +200,8 @@ def gateway_stack(
     (`serve --accounting-grpc`, Envoy's accounting cluster). `count_in_envoy`: Envoy counts
     and tells the service (`serve --envoy-events`, extproc.envoy_lua) instead. `workers`:
     `serve --workers N` on distinct ports, each worker's own limits (`--allow-unshared-workers`:
-    the benchmarks' limits never bind), Envoy spreading requests over them."""
+    the benchmarks' limits never bind), Envoy spreading requests over them. `cpu_slice_us`:
+    the service and Envoy ask for that CPU slice (gateway_lab.bench.cpu_slice); 0: the kernel's."""
     if arm not in ARMS:
         raise ValueError(f"arm must be one of {ARMS}")
     workdir.mkdir(parents=True, exist_ok=True)
@@ -210,7 +212,7 @@ def gateway_stack(
     def build() -> tuple[Stack, list[Check], Gateway]:
         return _gateway_children(
             workdir, policy, str(policy_path), arm, extproc_args, bootstrap_edit,
-            accounting_process, noop_args, extproc_env, count_in_envoy, workers,
+            accounting_process, noop_args, extproc_env, count_in_envoy, workers, cpu_slice_us,
         )  # fmt: skip
 
     with running_on_fresh_ports(build) as gateway:
@@ -229,6 +231,7 @@ def _gateway_children(
     extproc_env: Mapping[str, str] | None,
     count_in_envoy: bool = False,
     workers: int = 1,
+    cpu_slice_us: int = 0,
 ) -> tuple[Stack, list[Check], Gateway]:
     """One start's children of `gateway_stack`, on ports picked now."""
     listen, grpc_port = f"127.0.0.1:{free_port()}", free_ports(workers)
@@ -253,6 +256,7 @@ def _gateway_children(
             workdir, policy_path, grpc_address, admin, serve_args, log_level="WARNING"
         )
         child.env = None if extproc_env is None else dict(extproc_env)
+        child.command = with_cpu_slice(cpu_slice_us, child.command)
         stack.children.append(child)
         checks += [
             (functools.partial(http_ok, f"http://{address}/readyz"), "extproc")
@@ -284,7 +288,9 @@ def _gateway_children(
         access_log=bootstrap_edit is not None,
         envoy_events=None if events_port is None else workers_at(events_port, workers),
     )
-    stack.children.append(envoy_child(workdir, policy, options, log_level="error"))
+    envoy = envoy_child(workdir, policy, options, log_level="error")
+    envoy.command = with_cpu_slice(cpu_slice_us, envoy.command)
+    stack.children.append(envoy)
     if bootstrap_edit is not None:
         bootstrap = workdir / "envoy.json"
         bootstrap.write_text(bootstrap_edit(bootstrap.read_text()))
@@ -297,6 +303,14 @@ def _gateway_children(
         extproc_grpc=None if arm == "straight" else grpc_address,
     )
     return stack, checks, gateway
+
+
+def with_cpu_slice(microseconds: int, command: list[str]) -> list[str]:
+    """`command` started on a `microseconds` CPU slice (gateway_lab.bench.cpu_slice); 0: as
+    it is."""
+    if not microseconds:
+        return command
+    return [sys.executable, "-m", "gateway_lab.bench.cpu_slice", str(microseconds), "--", *command]
 
 
 def workers_at(port: int, count: int) -> str:

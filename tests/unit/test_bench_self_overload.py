@@ -31,9 +31,15 @@ from gateway_lab.bench.self_overload import (
     policy_text,
     summarize,
 )
-from gateway_lab.bench.self_overload_arms import before_arms, door_arms, lua_arms, paced_arms
+from gateway_lab.bench.self_overload_arms import (
+    before_arms,
+    door_arms,
+    lua_arms,
+    paced_arms,
+    slice_arms,
+)
 from gateway_lab.bench.self_overload_load import CompletionSpec, Timing
-from gateway_lab.bench.stack import cpu_seconds
+from gateway_lab.bench.stack import cpu_seconds, with_cpu_slice
 from gateway_lab.processes import envoy_binary
 
 
@@ -343,3 +349,12 @@ def test_lua_arms_count_in_envoy_with_the_same_objective() -> None:
     for arm, lua in zip(objectives, lua_arms(objectives), strict=True):
         assert lua.name == f"{arm.name}-lua" and lua.count_in_envoy and not arm.count_in_envoy
         assert (lua.load, lua.latency_delta, lua.front) == (arm.load, arm.latency_delta, "service")
+
+
+def test_slice_arms_run_our_front_on_a_short_slice_and_the_others_are_left_out() -> None:
+    sliced = {arm.name: arm for arm in slice_arms(ARMS)}
+    assert "room-lua-slice" in sliced and "room-fifo-slice" not in sliced
+    assert all(arm.front == "service" and arm.cpu_slice_us == 100 for arm in sliced.values())
+    assert with_cpu_slice(0, ["envoy", "-c", "x"]) == ["envoy", "-c", "x"]
+    wrapped = with_cpu_slice(100, ["envoy", "-c", "x"])
+    assert wrapped[1:] == ["-m", "gateway_lab.bench.cpu_slice", "100", "--", "envoy", "-c", "x"]
