@@ -84,7 +84,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         usage = "usage: python -m gateway_lab.bench.cpu_slice MICROSECONDS -- COMMAND [ARG...]"
         print(usage, file=sys.stderr)
         return 2
-    if not set_cpu_slice(int(args[0])):
+    try:
+        took = set_cpu_slice(int(args[0]))
+    except ValueError as error:
+        print(f"cpu_slice: {error}", file=sys.stderr)
+        return 2
+    if not took:
         print(f"cpu_slice: this system keeps its own slice for {args[2]}", file=sys.stderr)
     os.execvp(args[2], args[2:])
 

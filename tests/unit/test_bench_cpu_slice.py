@@ -52,12 +52,17 @@ def test_the_launcher_runs_a_program_with_the_slice() -> None:
 
 
 def test_the_launcher_refuses_a_malformed_command_line() -> None:
-    for args in (["100"], ["abc", "--", "true"], ["100", "true"]):
+    for args, says in (
+        (["100"], "usage:"),
+        (["abc", "--", "true"], "usage:"),
+        (["100", "true"], "usage:"),
+        (["5", "--", "true"], "a slice is 100-100000 us, not 5"),
+    ):
         done = subprocess.run(
             [sys.executable, "-m", "gateway_lab.bench.cpu_slice", *args],
             capture_output=True, text=True, timeout=30,
         )  # fmt: skip
-        assert done.returncode == 2 and "usage:" in done.stderr
+        assert done.returncode == 2 and says in done.stderr
 
 
 @pytest.mark.parametrize("us", [MIN_SLICE_US - 1, MAX_SLICE_US + 1, 0])
