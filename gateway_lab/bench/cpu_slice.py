@@ -7,8 +7,8 @@ in shorter turns, and on waking it runs sooner, as a shorter slice is an earlier
 Threads and processes started after inherit it, across exec too. The question it answers:
 does a message that wakes the service on a shared, busy core wait for whatever runs there to
 use up its slice (1.4 ms by default with 2 CPUs)? Measured, it did not help the quiet tenant
-and hurt under overload (docs/benchmarks.md, "A shorter CPU slice for the front"), so the
-service does not offer it.
+and hurt under overload (docs/benchmarks.md, "`room` measured four times longer, and a
+shorter CPU slice for the front"), so the service does not offer it.
 """
 
 from __future__ import annotations

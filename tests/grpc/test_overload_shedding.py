@@ -18,6 +18,7 @@ from extproc.policy import hash_key, policy_from_text
 from extproc.service import request as request_record
 from extproc.service.composition import compose
 from extproc.service.gateway import Gateway
+from extproc.status.readings import counter_totals
 from tests.conftest import TEST_KEYS
 from tests.grpc.test_extproc_stream import EnvoyPeer, body_message, chat_body, headers_message
 from tests.grpc_support import served_stub
@@ -130,13 +131,8 @@ def shed_count(gateway: Gateway) -> float:
 
 
 def requests_by_outcome(gateway: Gateway, tenant: str) -> dict[str, float]:
-    counts: dict[str, float] = {}
-    for family in gateway.metrics.registry.collect():
-        for sample in family.samples:
-            if sample.name == "extproc_requests_total" and sample.labels["tenant"] == tenant:
-                outcome = sample.labels["outcome"]
-                counts[outcome] = counts.get(outcome, 0.0) + sample.value
-    return counts
+    totals = counter_totals(gateway.metrics.requests, ("tenant", "outcome"))
+    return {outcome: n for (name, outcome), n in totals.items() if name == tenant}
 
 
 async def test_lagging_loop_sheds_the_heavy_tenant_and_admits_the_light_one(
