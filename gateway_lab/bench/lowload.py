@@ -12,6 +12,8 @@ two (Envoy, the front and this load generator on the others). One tenant sends 1
   the `include_usage` body rewrite, the route-cache clear, dynamic metadata, the stream ended
   at the forward) without deciding anything: what the shape of our replies costs Envoy;
 * `one-trip`: the mimic for one round trip (`noop --mimic --one-round-trip`);
+* `noop-sync`: the floor on grpc's synchronous server (`noop --sync`: a pool thread per stream,
+  no event loop), so what asyncio costs the floor shows beside `noop`;
 * `noop-no-acct`: the floor without the accounting filter (removed from the bootstrap), so
   Envoy opens no observability stream on the way upstream: what opening it costs the request;
 * `service`: our service with the default policy; `service-one-trip` the same with one round
@@ -75,7 +77,7 @@ KEY = "bench-quiet-key"
 TENANT = "quiet"
 WARMUP_TENANT = "warmup"
 ARMS = (
-    "straight", "noop", "noop-one-trip", "noop-grpclib", "noop-no-acct", "mimic",
+    "straight", "noop", "noop-one-trip", "noop-grpclib", "noop-sync", "noop-no-acct", "mimic",
     "mimic-grpclib", "one-trip", "service", "service-one-trip", "service-child", "static",
 )  # fmt: skip
 BEFORE_ARMS = ("before", "before-child")
@@ -167,8 +169,8 @@ EDITS = {
 @contextlib.contextmanager
 def front(arm: str, workdir: Path, endpoint: str, before_src: Path | None) -> Iterator[Gateway]:
     noops = (
-        "noop", "noop-one-trip", "noop-grpclib", "noop-no-acct", "mimic", "mimic-grpclib",
-        "one-trip",
+        "noop", "noop-one-trip", "noop-grpclib", "noop-sync", "noop-no-acct", "mimic",
+        "mimic-grpclib", "one-trip",
     )  # fmt: skip
     kind = "straight" if arm == "straight" else "noop" if arm in noops else "extproc"
     noop_args: tuple[str, ...] = ()
@@ -178,6 +180,8 @@ def front(arm: str, workdir: Path, endpoint: str, before_src: Path | None) -> It
         noop_args += ("--one-round-trip",)
     if arm.endswith("-grpclib"):
         noop_args += ("--grpclib",)
+    if arm == "noop-sync":
+        noop_args = ("--sync",)
     env = None
     if arm in BEFORE_ARMS:
         assert before_src is not None

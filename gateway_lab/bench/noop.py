@@ -14,7 +14,11 @@ our Python costs (gateway_lab.bench.phases).
 back, and the server answers the headers only once the body is in (the pool chosen, the
 route cache cleared), then the body: one wait instead of two.
 
-`python -m gateway_lab.bench.noop --grpc 127.0.0.1:50051 [--mimic POOL [--one-round-trip]]`
+`--sync` serves the do-nothing servicer on grpc's synchronous server (a thread per stream from a
+pool, no event loop): the floor without asyncio, for the `noop-sync` arm of the low-load
+benchmark.
+
+`python -m gateway_lab.bench.noop --grpc 127.0.0.1:50051 [--mimic POOL [--one-round-trip]] [--sync]`
 """
 
 from __future__ import annotations
@@ -22,7 +26,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import signal
-from collections.abc import AsyncIterator
+import threading
+from collections.abc import AsyncIterator, Iterator
+from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import orjson
@@ -59,6 +65,39 @@ class NoopProcessor(ext_proc_grpc.ExternalProcessorServicer):  # type: ignore[mi
             reply = _EMPTY.get(request.WhichOneof("request") or "")
             if reply is not None:
                 yield reply
+
+
+class SyncNoopProcessor(ext_proc_grpc.ExternalProcessorServicer):  # type: ignore[misc]
+    """NoopProcessor for grpc's synchronous server: the same replies from a pool thread."""
+
+    def Process(
+        self, request_iterator: Iterator[ProcessingRequest], context: object
+    ) -> Iterator[ProcessingResponse]:
+        for request in request_iterator:
+            if request.observability_mode:
+                continue
+            reply = _EMPTY.get(request.WhichOneof("request") or "")
+            if reply is not None:
+                yield reply
+
+
+SYNC_THREADS = 64
+"""Each open stream holds a thread of the synchronous server: at the benchmark's 1 request/s a
+few admission and accounting streams are open at once."""
+
+
+def serve_sync(address: str) -> None:
+    """The do-nothing servicer on grpc's synchronous server, until SIGTERM or SIGINT."""
+    stop = threading.Event()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, lambda *_: stop.set())
+    server = grpc.server(ThreadPoolExecutor(max_workers=SYNC_THREADS), options=GRPC_SERVER_OPTIONS)
+    ext_proc_grpc.add_ExternalProcessorServicer_to_server(SyncNoopProcessor(), server)
+    server.add_insecure_port(address)
+    server.start()
+    print(f"noop ext_proc (synchronous grpc) on {address}", flush=True)
+    stop.wait()
+    server.stop(1.0).wait()
 
 
 _GATEWAY_HEADERS = [
@@ -169,7 +208,16 @@ def main() -> None:
     parser.add_argument(
         "--grpclib", action="store_true", help="serve on grpclib instead of grpc.aio"
     )
+    parser.add_argument(
+        "--sync", action="store_true",
+        help="serve the do-nothing servicer on grpc's synchronous server (not with --mimic)",
+    )  # fmt: skip
     args = parser.parse_args()
+    if args.sync:
+        if args.mimic or args.grpclib:
+            parser.error("--sync serves the do-nothing servicer only, on grpc")
+        serve_sync(args.grpc)
+        return
     install_event_loop_policy()
     asyncio.run(serve(args.grpc, args.mimic, args.one_round_trip, args.grpclib))
 

@@ -1,8 +1,8 @@
 """Smoke run of `extproc bench low-load` (--quick): the real Envoy, the floor, the mimic, the
 service (in process and with its accounting child) and a `before` service from a source tree
 (this one) in front of a pinned emulated engine for a few seconds each (the floor and the
-mimic also on grpclib) must leave well-formed outputs. Figures are not checked (shared
-cores)."""
+mimic also on grpclib, the floor also on the synchronous grpc server) must leave well-formed
+outputs. Figures are not checked (shared cores)."""
 
 from __future__ import annotations
 
@@ -34,9 +34,9 @@ def test_low_load_quick(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> N
     printed = capsys.readouterr().out
     data = json.loads((out / "results.json").read_text())
     assert list(data["arms"]) == [
-        "straight", "noop", "noop-one-trip", "noop-grpclib", "noop-no-acct", "mimic",
-        "mimic-grpclib", "one-trip", "service", "service-one-trip", "service-child", "static",
-        "before",
+        "straight", "noop", "noop-one-trip", "noop-grpclib", "noop-sync", "noop-no-acct",
+        "mimic", "mimic-grpclib", "one-trip", "service", "service-one-trip", "service-child",
+        "static", "before",
     ]  # fmt: skip
     for arm, result in data["arms"].items():
         assert result["requests"] >= 1, f"{arm} answered nothing"
