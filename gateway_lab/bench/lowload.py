@@ -181,7 +181,7 @@ def front(arm: str, workdir: Path, endpoint: str, before_src: Path | None) -> It
     if arm.endswith("-grpclib"):
         noop_args += ("--grpclib",)
     if arm == "noop-sync":
-        noop_args = ("--sync",)
+        noop_args += ("--sync",)
     env = None
     if arm in BEFORE_ARMS:
         assert before_src is not None

@@ -55,14 +55,19 @@ _EMPTY = {
 }
 
 
+def _empty_reply(request: ProcessingRequest) -> ProcessingResponse | None:
+    """The floor's answer to `request`: an empty one for its phase, none in observability mode."""
+    if request.observability_mode:
+        return None
+    return _EMPTY.get(request.WhichOneof("request") or "")
+
+
 class NoopProcessor(ext_proc_grpc.ExternalProcessorServicer):  # type: ignore[misc]
     async def Process(
         self, request_iterator: AsyncIterator[ProcessingRequest], context: object
     ) -> AsyncIterator[ProcessingResponse]:
         async for request in request_iterator:
-            if request.observability_mode:
-                continue
-            reply = _EMPTY.get(request.WhichOneof("request") or "")
+            reply = _empty_reply(request)
             if reply is not None:
                 yield reply
 
@@ -74,9 +79,7 @@ class SyncNoopProcessor(ext_proc_grpc.ExternalProcessorServicer):  # type: ignor
         self, request_iterator: Iterator[ProcessingRequest], context: object
     ) -> Iterator[ProcessingResponse]:
         for request in request_iterator:
-            if request.observability_mode:
-                continue
-            reply = _EMPTY.get(request.WhichOneof("request") or "")
+            reply = _empty_reply(request)
             if reply is not None:
                 yield reply
 
